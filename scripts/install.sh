@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates the virtual environment .venv (if missing) and installs Penelope into it.
+#   scripts/install.sh          the package and what its CLI needs (numpy, matplotlib)
+#   scripts/install.sh test     plus everything the tests need: torch 2.14.1 with its triton,
+#                               SGLang 0.5.23's CPU-importable modules (installed without its CUDA
+#                               dependencies, as DESIGN.md section 7 describes), pytest & co.
+# Re-running is cheap: a stamp file records what was installed for this pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-base}
+VENV=${PENELOPE_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+stamp="$VENV/.installed-$what-$(cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)"
+[ -f "$stamp" ] && exit 0
+
+pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+echo "installing Penelope ($what) into $VENV ..." >&2
+pip_install --upgrade pip
+case "$what" in
+  base)
+    pip_install -e ".[plot]"
+    ;;
+  test)
+    pip_install torch==2.14.1 torchvision==0.29.1
+    pip_install --no-deps sglang==0.5.23
+    # The pure-Python packages SGLang's mem_cache and Triton kernels import on CPU.
+    pip_install numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
+      pyzmq tqdm IPython aiohttp transformers dill apache-tvm-ffi==0.1.11 sentencepiece \
+      compressed_tensors gguf openai==2.8.0 partial_json_parser
+    pip_install -e ".[test,bench,plot]"
+    ;;
+  *)
+    echo "usage: scripts/install.sh [base|test]" >&2
+    exit 2
+    ;;
+esac
+touch "$stamp"

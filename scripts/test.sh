@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need (scripts/install.sh test), lints, then runs
+# pytest with Triton's interpreter so kernel tests run on CPU. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test
+VENV=${PENELOPE_VENV:-.venv}
+"$VENV/bin/ruff" check .
+export TRITON_INTERPRET=1
+exec "$VENV/bin/python" -m pytest "$@"
