@@ -2,3 +2,25 @@
 
 Each kernel lives in its own sub-package with ``kernel.py`` (Triton kernel and launcher) and
 ``naive.py`` (torch fp32 reference)."""
+
+from .kv_swap import copy_kv_slots, exchange_kv, naive_copy_kv_slots, plan_exchange, run_exchange
+from .ragged_attention import (
+    naive_ragged_prefill_attention,
+    naive_store_kv,
+    ragged_attention_work,
+    ragged_prefill_attention,
+    store_kv,
+)
+
+__all__ = [
+    "copy_kv_slots",
+    "exchange_kv",
+    "naive_copy_kv_slots",
+    "naive_ragged_prefill_attention",
+    "naive_store_kv",
+    "plan_exchange",
+    "ragged_attention_work",
+    "ragged_prefill_attention",
+    "run_exchange",
+    "store_kv",
+]

@@ -1,0 +1,22 @@
+"""Ragged-position prefill attention: one launch for phantom holes and new tokens of many requests."""
+
+from .kernel import (
+    RaggedBlocks,
+    RaggedWork,
+    ragged_attention_blocks,
+    ragged_attention_work,
+    ragged_prefill_attention,
+    store_kv,
+)
+from .naive import naive_ragged_prefill_attention, naive_store_kv
+
+__all__ = [
+    "RaggedBlocks",
+    "RaggedWork",
+    "naive_ragged_prefill_attention",
+    "naive_store_kv",
+    "ragged_attention_blocks",
+    "ragged_attention_work",
+    "ragged_prefill_attention",
+    "store_kv",
+]
