@@ -1,0 +1,142 @@
+"""Attention backends of the reference engine, selected by name.
+
+Each layer of the decoder first stores the batch's K/V into the pool (`store_kv`), then runs
+ragged prefill attention over all segments (`attend`), reading every key through
+`req_to_token`. Both backends have the same contract as `penelope.kernels.ragged_attention`:
+
+- "naive": an indexed copy into the pool and `aligned_ragged_attention`, a torch fp32 path
+  that, like the kernel, tiles queries at absolute positions, so it is batch-invariant;
+- "triton": the kernel package's `store_kv` and `ragged_prefill_attention`.
+
+Why not the kernel package's `naive_ragged_prefill_attention`: it is the kernel's reference for
+values, but it cuts queries per segment, so a query's rounding depends on the segment it sits
+in; the deterministic engine needs results that depend only on the query's own position and
+keys. The kernel package is imported when the "triton" backend is first called, not when this
+module is, so the engine imports and runs ("naive" or a custom backend) without the kernels.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from penelope.errors import UsageError
+
+_KERNEL_MODULE = "penelope.kernels.ragged_attention"
+
+StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+AttendFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A pair of functions with the kernel package's signatures.
+
+    `store_kv(k_buffer, v_buffer, slots, k, v)`: write `k`, `v` `[T, Hkv, D]` into rows `slots`
+    (int64 `[T]`) of the pool buffers `[S, Hkv, D]`, in place.
+    `attend(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None) -> o`: `q` `[T, Hq, D]`,
+    `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]` rows
+    `(req_row, q_start, pos_start, length)`; returns `o` `[T, Hq, D]` where the query at absolute
+    position p attends to the keys at positions 0..p of its request, read from the pool.
+    """
+
+    name: str
+    store_kv: StoreFn
+    attend: AttendFn
+
+
+def _kernel_function(name: str) -> Callable:
+    try:
+        module = importlib.import_module(_KERNEL_MODULE)
+    except ImportError as exc:
+        raise ImportError(f"attention backend needs {_KERNEL_MODULE}, which failed to import: {exc}") from exc
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ImportError(f"{_KERNEL_MODULE} does not provide {name!r}") from None
+
+
+def torch_store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Indexed copy of `k`, `v` `[T, Hkv, D]` into rows `slots` (int64 `[T]`) of the buffers."""
+    k_buffer.index_copy_(0, slots, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, slots, v.to(v_buffer.dtype))
+
+
+# Absolute positions per query tile of `aligned_ragged_attention`.
+ALIGNED_TILE = 64
+
+
+def aligned_ragged_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    segments: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Ragged prefill attention in torch fp32, bitwise independent of how the batch is cut.
+
+    Arguments as `penelope.kernels.ragged_attention.ragged_prefill_attention` (q `[T, Hq, D]`,
+    pools `[S, Hkv, D]`, `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]`);
+    returns `o` `[T, Hq, D]` in q's dtype. The caller guarantees valid segments and slots
+    (`EngineBatch.build` checks them).
+
+    Queries are processed in tiles of `ALIGNED_TILE` absolute positions, padded to the full
+    tile, against the keys at positions `0 .. tile end - 1` (keys past the segment's last
+    position are zero rows, masked like every key after the query). Every tensor's shape thus
+    depends only on the tile index, and masked keys add exact zeros, so a query's output depends
+    only on its request's keys up to its position: not on the segment or batch around it.
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_q_heads // k_buffer.shape[1]
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+    for req_row, q_start, pos_start, length in segments.tolist():
+        first_tile = pos_start - pos_start % ALIGNED_TILE
+        for tile_start in range(first_tile, pos_start + length, ALIGNED_TILE):
+            tile_end = tile_start + ALIGNED_TILE
+            lo, hi = max(tile_start, pos_start), min(tile_end, pos_start + length)
+            rows = slice(q_start + lo - pos_start, q_start + hi - pos_start)
+            queries = torch.zeros(ALIGNED_TILE, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+            queries[lo - tile_start : hi - tile_start] = q[rows].float()
+            keys = torch.zeros(tile_end, *k_buffer.shape[1:], dtype=torch.float32, device=q.device)
+            values = torch.zeros_like(keys)
+            slots = req_to_token[req_row, :hi].long()
+            keys[:hi], values[:hi] = k_buffer[slots].float(), v_buffer[slots].float()
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale  # [Hq, TILE, tile_end]
+            q_pos = torch.arange(tile_start, tile_end, device=q.device)
+            k_pos = torch.arange(tile_end, device=q.device)
+            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            tile_out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+            out[rows] = tile_out[lo - tile_start : hi - tile_start]
+    return out.to(q.dtype)
+
+
+def _triton_store_kv(k_buffer, v_buffer, slots, k, v):
+    _kernel_function("store_kv")(k_buffer, v_buffer, slots, k, v)
+
+
+def _triton_attend(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None):
+    fn = _kernel_function("ragged_prefill_attention")
+    return fn(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=sm_scale)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    "naive": AttentionBackend("naive", torch_store_kv, aligned_ragged_attention),
+    "triton": AttentionBackend("triton", _triton_store_kv, _triton_attend),
+}
+
+
+def get_attention_backend(backend: str | AttentionBackend) -> AttentionBackend:
+    """The backend called `backend` ("naive" or "triton"), or `backend` itself."""
+    if isinstance(backend, AttentionBackend):
+        return backend
+    if backend not in ATTENTION_BACKENDS:
+        raise UsageError(f"unknown attention backend {backend!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[backend]
