@@ -7,3 +7,11 @@ class PenelopeError(Exception):
 
 class UsageError(PenelopeError, ValueError):
     """Bad input from a user or a caller: the CLI prints it as one line and exits 2."""
+
+
+class CacheFullError(PenelopeError):
+    """The KV cache cannot free enough slots now: what is left is protected by running requests."""
+
+
+class InvariantError(PenelopeError, AssertionError):
+    """An internal consistency check of a data structure failed: a bug, never bad input."""

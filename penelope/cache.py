@@ -1,0 +1,402 @@
+"""KVCache: the block radix-tree KV cache manager (DESIGN.md section 3).
+
+Caller protocol for one request, in this order:
+
+    m = cache.match(tokens)              # spans (GPU/CPU/MISSING), holes, compute_from
+    h = cache.lock(m)                    # protect the matched path while the request runs
+    new = cache.alloc(n)                 # slots for holes + new tokens (may evict, never m's path)
+    ...run the request, writing KV into the slots...
+    cache.insert(tokens, slots)          # takes every slot passed; duplicates are freed
+    cache.unlock(h)
+
+A match is invalidated by any eviction: lock it right away, or match again. Every method
+validates its input before changing anything, so bad input raises UsageError and leaves the
+cache as it was.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from penelope.errors import CacheFullError, InvariantError, UsageError
+from penelope.policy import EvictionPolicy, get_policy
+from penelope.slots import SlotAllocator
+from penelope.tree import NO_SLOT, BlockState, Node, RadixTree
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_GPU, _MISSING = int(BlockState.GPU), int(BlockState.MISSING)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class Span:
+    """Positions [start, end) of the request in one state; `slots` ([end - start] int64) hold
+    their KV for GPU/CPU spans and are empty for MISSING spans."""
+
+    start: int
+    end: int
+    state: BlockState
+    slots: np.ndarray
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What the cache holds of a token sequence (positions in tokens).
+
+    `spans` cover [0, matched) in order. `holes` are MISSING spans before the last resident span:
+    a phantom prefill recomputes them. `loads` are CPU spans. The real request computes from
+    `compute_from`. `recomputed` lists the spans the cache had held before and must compute
+    again (holes, then evicted blocks from `compute_from` on). `handle` is opaque (for `lock`).
+    """
+
+    spans: list[Span]
+    holes: list[tuple[int, int]]
+    loads: list[Span]
+    compute_from: int
+    handle: Node
+    n_tokens: int
+    matched: int
+    hit_tokens: int
+    recomputed: list[tuple[int, int]]
+    epoch: int = field(repr=False)
+    owner: object = field(repr=False, compare=False)
+
+
+class LockHandle:
+    """A lock on one matched root path; `unlock` it exactly once."""
+
+    __slots__ = ("node", "active", "owner")
+
+    def __init__(self, node: Node, owner: KVCache):
+        self.node, self.active, self.owner = node, True, owner
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """Token counts of one insert: `cached` whole-block tokens now on the path, of which
+    `already_cached` were resident before, `refilled` were holes and `new` were added;
+    `freed` slots went back to the free list (duplicates and the partial last block)."""
+
+    cached: int
+    already_cached: int
+    refilled: int
+    new: int
+    freed: int
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    """`freed_tokens` GPU tokens freed; their `slots`; `ranges` (start, end) of evicted
+    positions, each within one history."""
+
+    freed_tokens: int
+    slots: np.ndarray
+    ranges: list[tuple[int, int]]
+
+
+@dataclass
+class CacheStats:
+    """Counters over locked matches (admitted requests) and evictions, in tokens.
+
+    `missed` = tokens a request had to compute; `recomputed` = the part of them the cache had
+    held before (holes, evicted tails, deleted nodes); costs in the cost model's units (0 when
+    the cache has no cost model)."""
+
+    policy: str
+    requests: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    hole_tokens: int = 0
+    recomputed_tokens: int = 0
+    missed_cost: float = 0.0
+    recomputed_cost: float = 0.0
+    evict_calls: int = 0
+    evicted_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hit_tokens + self.missed_tokens
+        return self.hit_tokens / total if total else 0.0
+
+
+class KVCache:
+    """Block-granular radix-tree KV cache over a pool of `capacity` token slots.
+
+    `policy`: a registered name (see `penelope.policy.policy_names`) or an EvictionPolicy.
+    `cost_model`: anything with `span_cost(start, end)`; used for statistics only.
+    `allocator`: a `SlotAllocator`-like object over the same pool (default: a new one).
+    `track_recompute`: remember a hash of every block ever inserted, so statistics can tell
+    recomputed tokens from new ones even after a policy deleted them from the tree.
+    """
+
+    def __init__(self, capacity: int, block_size: int = 64, policy: str | EvictionPolicy = "penelope",
+                 cost_model=None, allocator=None, track_recompute: bool = True):
+        block_size = _count(block_size, "block_size")
+        capacity = _count(capacity, "capacity")
+        if block_size < 1:
+            raise UsageError("block_size must be at least 1")
+        if capacity < block_size:
+            raise UsageError(f"capacity {capacity} is below one block of {block_size} tokens")
+        if capacity >= 2**31:
+            raise UsageError(f"capacity {capacity} is beyond the 2**31 slots the tree can address")
+        self.policy = policy if isinstance(policy, EvictionPolicy) else get_policy(policy)
+        if cost_model is not None and not callable(getattr(cost_model, "span_cost", None)):
+            raise UsageError("cost_model must have a span_cost(start, end) method")
+        if allocator is not None and allocator.capacity != capacity:
+            raise UsageError(f"allocator capacity {allocator.capacity} differs from cache capacity {capacity}")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.cost_model = cost_model
+        self.allocator = allocator if allocator is not None else SlotAllocator(capacity, block_size)
+        self.tree = RadixTree(block_size)
+        self.stats = CacheStats(policy=self.policy.name)
+        self._track = track_recompute
+        self._seen: set[int] = set()
+        self._locks: set[LockHandle] = set()
+
+    def free_size(self) -> int:
+        """Slots on the free list, in tokens."""
+        return self.allocator.free_size()
+
+    def outstanding_size(self) -> int:
+        """Slots handed out by `alloc` and not yet given back through `insert` or `free`."""
+        return getattr(self.allocator, "outstanding_size", lambda: 0)()
+
+    def evictable_size(self) -> int:
+        """GPU tokens in the tree that no running request locks."""
+        return self.tree.evictable_tokens
+
+    def protected_size(self) -> int:
+        """GPU tokens in the tree on locked paths."""
+        return self.tree.protected_tokens
+
+    def match(self, tokens) -> MatchResult:
+        """Walk the tree along `tokens` (list or int64 array [n]) through blocks of any state.
+        Only whole blocks match. Bumps the recency of the matched path."""
+        tokens = _as_int_array(tokens, "tokens")
+        tree, bs = self.tree, self.block_size
+        n_blocks = len(tokens) // bs
+        path = tree.commit(*tree.walk(tokens, n_blocks))
+        tree.touch(path)
+        spans = self._spans(path)
+        resident = [s for s in spans if s.state != BlockState.MISSING]
+        compute_from = resident[-1].end if resident else 0
+        holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
+        matched = path[-1].end if path else 0
+        seen = self._seen_until(tokens, path, matched, n_blocks)
+        recomputed = holes + ([(compute_from, seen)] if seen > compute_from else [])
+        return MatchResult(spans, holes, [s for s in spans if s.state == BlockState.CPU], compute_from,
+                           path[-1] if path else tree.root, len(tokens), matched,
+                           sum(len(s) for s in resident), recomputed, tree.epoch, self)
+
+    def lock(self, match: MatchResult) -> LockHandle:
+        """Protect the matched root path from eviction until `unlock`; counts the request in
+        `stats`. The match must be fresh (no eviction since it was made)."""
+        if not isinstance(match, MatchResult) or match.owner is not self:
+            raise UsageError("lock() takes a MatchResult returned by this cache's match()")
+        if match.n_tokens > self.capacity:
+            raise UsageError(f"a sequence of {match.n_tokens} tokens can never fit in a cache of "
+                             f"{self.capacity} tokens")
+        node = match.handle
+        if match.epoch != self.tree.epoch or not node.alive:
+            raise UsageError("stale match: the cache evicted since this match; match again, then lock")
+        self.tree.lock(node, +1)
+        handle = LockHandle(node, self)
+        self._locks.add(handle)
+        self._record(match)
+        return handle
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Release a lock taken by `lock`; a second unlock of the same handle raises."""
+        if not isinstance(handle, LockHandle) or handle.owner is not self:
+            raise UsageError("unlock() takes a handle returned by this cache's lock()")
+        if not handle.active:
+            raise UsageError("this handle is already unlocked")
+        handle.active = False
+        self._locks.discard(handle)
+        self.tree.lock(handle.node, -1)
+        if handle.node is not self.tree.root:
+            self.tree.prune(handle.node)
+
+    def alloc(self, n_tokens: int) -> np.ndarray:
+        """`n_tokens` free slots (int64 [n_tokens]), evicting as needed. Raises CacheFullError,
+        without evicting anything, when even evicting everything unlocked is not enough."""
+        n = _count(n_tokens, "n_tokens")
+        if n > self.capacity:
+            raise UsageError(f"cannot allocate {n} slots in a cache of {self.capacity} tokens")
+        short = n - self.allocator.free_size()
+        if short > self.tree.evictable_tokens:
+            raise CacheFullError(f"need {n} slots: {self.allocator.free_size()} free, "
+                                 f"{self.tree.evictable_tokens} evictable, "
+                                 f"{self.tree.protected_tokens} locked by running requests")
+        if short > 0:
+            self._evict_blocks(-(-short // self.block_size))
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise InvariantError(f"eviction freed too little for {n} slots")
+        return slots
+
+    def free(self, slots) -> None:
+        """Return slots from `alloc` that will not be inserted."""
+        self.allocator.free(_as_int_array(slots, "slots"))
+
+    def insert(self, tokens, slots) -> InsertResult:
+        """Cache `tokens` whose KV is in `slots` (`slots[i]` holds tokens[i]); takes every slot.
+
+        Blocks already resident keep their slots (different slots passed for them are freed);
+        holes on the path become resident with the passed slots; new whole blocks are added;
+        the partial last block's slots are freed."""
+        tokens = _as_int_array(tokens, "tokens")
+        slots = _as_int_array(slots, "slots")
+        if len(slots) != len(tokens):
+            raise UsageError(f"{len(tokens)} tokens but {len(slots)} slots")
+        if len(tokens) > self.capacity:
+            raise UsageError(f"a sequence of {len(tokens)} tokens can never fit in a cache of "
+                             f"{self.capacity} tokens")
+        tree, bs = self.tree, self.block_size
+        n_blocks = len(tokens) // bs
+        full = n_blocks * bs
+        path, last = tree.walk(tokens, n_blocks)
+        walked = path[-1].start + last * bs if path else 0
+        parts = [node.slots for node in path[:-1]] + ([path[-1].slots[:last * bs]] if path else [])
+        stored = np.concatenate(parts) if parts else _EMPTY
+        passed = slots[:walked]
+        differs = stored != passed
+        if any(node.n_resident < node.n_blocks for node in path):
+            missing = stored == NO_SLOT
+            refill, differs = passed[missing], differs & ~missing
+        else:
+            refill = _EMPTY
+        # Usually the caller passes back the slots match() gave it: no duplicates to gather.
+        duplicates = passed[differs] if differs.any() else _EMPTY
+        kept = np.concatenate([refill, slots[walked:full]])
+        returned = np.concatenate([duplicates, slots[full:]])
+        self.allocator.check_outstanding(np.concatenate([kept, returned]))
+
+        path = tree.commit(path, last)
+        for node in path:
+            if node.n_resident < node.n_blocks:
+                blocks = np.flatnonzero(node.state == BlockState.MISSING)
+                where = (node.start + blocks[:, None] * bs + np.arange(bs)).ravel()
+                tree.refill(node, blocks, slots[where])
+        if walked < full:
+            leaf = tree.add_leaf(path[-1] if path else tree.root, tokens[walked:full], slots[walked:full])
+            path.append(leaf)
+            if self._track:
+                self._seen.update(leaf.hashes.tolist())
+        tree.touch(path)
+        self.allocator.adopt(kept)
+        if len(returned):
+            self.allocator.free(returned)
+        return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
+
+    def evict(self, n_tokens: int) -> EvictResult:
+        """Free at least `n_tokens` GPU tokens (rounded up to blocks), or all that are evictable.
+        Evicting 0 is always safe."""
+        n = _count(n_tokens, "n_tokens")
+        if n == 0:
+            return EvictResult(0, _EMPTY, [])
+        return self._evict_blocks(-(-n // self.block_size))
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless the tree, the locks, the allocator and the accounting
+        (free + evictable + protected + held by callers == capacity) are consistent."""
+        expected: dict[int, int] = {}
+        for handle in self._locks:
+            for node in self.tree.path_to_root(handle.node):
+                expected[node.id] = expected.get(node.id, 0) + 1
+        cached = self.tree.check(expected)
+        if hasattr(self.allocator, "check"):
+            self.allocator.check(cached)
+        outstanding = self.outstanding_size()
+        total = self.free_size() + self.evictable_size() + self.protected_size() + outstanding
+        if total != self.capacity:
+            raise InvariantError(f"free {self.free_size()} + evictable {self.evictable_size()} + protected "
+                                 f"{self.protected_size()} + held {outstanding} != capacity {self.capacity}")
+
+    def _evict_blocks(self, n_blocks: int) -> EvictResult:
+        released = self.policy.evict(self.tree, n_blocks)
+        slots = np.concatenate(released.gpu_slots, dtype=np.int64) if released.gpu_slots else _EMPTY
+        self.allocator.release(slots)
+        self.stats.evict_calls += 1
+        self.stats.evicted_tokens += len(slots)
+        return EvictResult(len(slots), slots, released.ranges)
+
+    def _spans(self, path: list[Node]) -> list[Span]:
+        """Merge the per-block states of the path into maximal runs of one state."""
+        bs = self.block_size
+        runs: list[list] = []  # [state, start, end, slot arrays]
+        for node in path:
+            k = len(node.state)
+            if node.n_gpu == k or node.n_resident == 0:
+                # The common case, a node in one state: no per-block work.
+                pieces = ((_GPU if node.n_gpu else _MISSING, 0, k),)
+            else:
+                cuts = [0, *(np.flatnonzero(np.diff(node.state)) + 1).tolist(), k]
+                pieces = [(int(node.state[a]), a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+            for state, first, stop in pieces:
+                if not runs or runs[-1][0] != state:
+                    runs.append([state, node.start + first * bs, 0, []])
+                run = runs[-1]
+                run[2] = node.start + stop * bs
+                if state != _MISSING:
+                    run[3].append(node.slots if stop - first == k else node.slots[first * bs:stop * bs])
+        return [Span(start, end, BlockState(state), np.concatenate(parts, dtype=np.int64) if parts else _EMPTY)
+                for state, start, end, parts in runs]
+
+    def _seen_until(self, tokens: np.ndarray, path: list[Node], matched: int, n_blocks: int) -> int:
+        """End of the prefix of `tokens` that was ever inserted (at least `matched`)."""
+        bs = self.block_size
+        if not self._track or matched >= n_blocks * bs:
+            return matched
+        base = int(path[-1].hashes[-1]) if path else 0
+        hasher = self.tree.hasher
+        # Check one block first: most requests' unmatched tokens are new.
+        if int(hasher.extend(base, matched // bs, tokens[matched:matched + bs])[0]) not in self._seen:
+            return matched
+        known = 0
+        for value in hasher.extend(base, matched // bs, tokens[matched:n_blocks * bs]).tolist():
+            if value not in self._seen:
+                break
+            known += 1
+        return matched + known * bs
+
+    def _record(self, match: MatchResult) -> None:
+        stats = self.stats
+        stats.requests += 1
+        stats.hit_tokens += match.hit_tokens
+        stats.missed_tokens += match.n_tokens - match.hit_tokens
+        stats.hole_tokens += sum(end - start for start, end in match.holes)
+        stats.recomputed_tokens += sum(end - start for start, end in match.recomputed)
+        if self.cost_model is not None:
+            computed = match.holes + [(match.compute_from, match.n_tokens)]
+            stats.missed_cost += sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
+            stats.recomputed_cost += sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
+
+
+def _count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise UsageError(f"{what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _as_int_array(values, what: str) -> np.ndarray:
+    """A 1-D contiguous int64 array; an int64 numpy array is used as is, without a copy."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        return np.ascontiguousarray(values)
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"{what} must be a 1-D sequence of integers ({error})") from None
+    if array.size == 0 and array.ndim == 1:
+        return _EMPTY
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise UsageError(f"{what} must be a 1-D sequence of integers, got {array.dtype} with shape {array.shape}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > _INT64_MAX:
+        raise UsageError(f"{what} has a value above the int64 range")
+    return array.astype(np.int64)

@@ -1,0 +1,165 @@
+"""Eviction policies: where to evict in the radix tree and how much at a time.
+
+All policies share one loop (`EvictionPolicy.evict`): take the least-recently-used unlocked leaf
+that still holds resident KV, evict from it (or from the private history above it), prune what
+nothing can reuse any more, repeat until enough blocks are freed. Subclasses fix two choices,
+the paper's ablation grid:
+
+- where: `leaf tail` (delete blocks from the end of the leaf, as SGLang), `leaf head` (blocks at
+  the front of the leaf become a hole), `private head` (walk from the leaf toward the root to the
+  earliest block of its private history and evict from there, continuing forward);
+- how much: the whole node, or only the blocks still needed.
+
+`private-head-block` is Penelope; `leaf-tail-node` is SGLang's RadixCache.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import ClassVar
+
+from penelope.errors import UsageError
+from penelope.tree import Node, RadixTree, Released
+
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+_CANONICAL: list[str] = []
+
+
+def register(name: str, *aliases: str):
+    """Class decorator: make a policy available by `name` and `aliases`; returns the class."""
+
+    def decorate(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+        keys = (name, *aliases)
+        taken = [key for key in keys if key in _REGISTRY]
+        if taken:
+            raise ValueError(f"eviction policy {taken[0]!r} registered twice")
+        for key in keys:
+            _REGISTRY[key] = cls
+        cls.name = name
+        _CANONICAL.append(name)
+        return cls
+
+    return decorate
+
+
+def policy_names(aliases: bool = False) -> list[str]:
+    """Registered policy names (canonical ones in registration order, then aliases if asked)."""
+    if not aliases:
+        return list(_CANONICAL)
+    return list(_CANONICAL) + sorted(k for k in _REGISTRY if k not in _CANONICAL)
+
+
+def get_policy(name: str) -> EvictionPolicy:
+    """A new policy object by name or alias; unknown names raise UsageError listing the known."""
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        known = ", ".join(policy_names(aliases=True))
+        raise UsageError(f"unknown eviction policy {name!r} (known: {known})")
+    return cls()
+
+
+def is_candidate(tree: RadixTree, node: Node) -> bool:
+    """An eviction victim: a live unlocked leaf that still holds resident KV."""
+    return (node.alive and node is not tree.root and not node.children
+            and node.lock_ref == 0 and node.n_resident > 0)
+
+
+class EvictionPolicy:
+    """Chooses which blocks to free. Subclasses set `whole_node` and implement `_evict_leaf`."""
+
+    name: ClassVar[str] = ""
+    whole_node: ClassVar[bool] = False
+
+    def evict(self, tree: RadixTree, n_blocks: int) -> Released:
+        """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
+        locked node. Node policies may free more than asked."""
+        out = Released()
+        heap = [(leaf.last_access, leaf.id, leaf) for leaf in tree.leaves if is_candidate(tree, leaf)]
+        heapq.heapify(heap)
+        while out.blocks < n_blocks and heap:
+            leaf = heapq.heappop(heap)[2]
+            if not is_candidate(tree, leaf):
+                continue
+            survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
+            if survivor is not None and is_candidate(tree, survivor):
+                heapq.heappush(heap, (survivor.last_access, survivor.id, survivor))
+        return out
+
+    def _evict_leaf(self, tree: RadixTree, leaf: Node, need: int, out: Released) -> Node:
+        """Free up to `need` blocks starting from victim `leaf`; return the node to prune from."""
+        raise NotImplementedError
+
+
+class _TailPolicy(EvictionPolicy):
+    """Delete blocks from the end of the leaf: nothing is left behind, no holes appear."""
+
+    def _evict_leaf(self, tree, leaf, need, out):
+        parent = leaf.parent
+        tree.free_tail(leaf, leaf.n_resident if self.whole_node else need, out)
+        return leaf if leaf.alive else parent
+
+
+class _HeadPolicy(EvictionPolicy):
+    """Turn the front of a history into a hole, continuing forward along it toward the leaf."""
+
+    def first_node(self, tree: RadixTree, leaf: Node) -> Node:
+        """Where eviction starts: the leaf itself for leaf-head policies."""
+        return leaf
+
+    def _evict_leaf(self, tree, leaf, need, out):
+        chain = [self.first_node(tree, leaf)]
+        while chain[-1] is not leaf:
+            # Between the start and the leaf every node has exactly one child (see first_node).
+            chain.append(next(iter(chain[-1].children.values())))
+        for node in chain:
+            before = out.blocks
+            tree.free_front(node, node.n_resident if self.whole_node else need, out)
+            need -= out.blocks - before
+            if not self.whole_node and out.blocks > before:
+                tree.split_missing_front(node)
+            if need <= 0:
+                break
+        return leaf
+
+
+class _PrivateHeadPolicy(_HeadPolicy):
+    def first_node(self, tree: RadixTree, leaf: Node) -> Node:
+        """Walk from the leaf toward the root to the earliest evictable block of its private
+        history: stop before a parent that is the root, is shared (more than one child), is
+        locked by a running request, or already holds no resident KV."""
+        node = leaf
+        while True:
+            parent = node.parent
+            if (parent is tree.root or len(parent.children) > 1 or parent.lock_ref > 0
+                    or parent.n_resident == 0):
+                return node
+            node = parent
+
+
+@register("leaf-tail-node", "sglang")
+class LeafTailNode(_TailPolicy):
+    whole_node = True
+
+
+@register("leaf-tail-block")
+class LeafTailBlock(_TailPolicy):
+    whole_node = False
+
+
+@register("leaf-head-node")
+class LeafHeadNode(_HeadPolicy):
+    whole_node = True
+
+
+@register("leaf-head-block")
+class LeafHeadBlock(_HeadPolicy):
+    whole_node = False
+
+
+@register("private-head-node")
+class PrivateHeadNode(_PrivateHeadPolicy):
+    whole_node = True
+
+
+@register("private-head-block", "penelope")
+class PrivateHeadBlock(_PrivateHeadPolicy):
+    whole_node = False

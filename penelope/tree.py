@@ -1,0 +1,408 @@
+"""Radix tree over whole KV blocks, with a state per block.
+
+A node holds a run of blocks: their tokens (`key`, raw int64 bytes), one slot per token and, per
+block, a `BlockState` and a prefix hash. Blocks of one node may be in different states, so a
+history whose front was evicted keeps its tokens (MISSING) and its later blocks (GPU or CPU).
+Per-block numpy arrays rather than per-token objects keep metadata small and let a second tier
+(blocks on CPU) reuse the same arrays.
+
+The tree keeps the GPU accounting (`evictable_tokens`, `protected_tokens`) up to date in every
+primitive; a node counts as locked while `lock_ref > 0` (locks are held on whole root paths).
+Recency is a logical clock bumped once per access: all nodes stamped with one value lie on one
+root path, so two leaves never share a stamp.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from penelope.errors import InvariantError
+
+NO_SLOT = -1
+# Slots are stored as int32 (4 bytes per cached token; pools stay below 2**31 rows) and handed
+# out as int64.
+SLOT_DTYPE = np.int32
+_MASK64 = (1 << 64) - 1
+
+
+class BlockState(enum.IntEnum):
+    """Where the KV of one block lives."""
+
+    GPU = 0
+    CPU = 1
+    MISSING = 2
+
+
+_GPU, _CPU, _MISSING = int(BlockState.GPU), int(BlockState.CPU), int(BlockState.MISSING)
+
+
+class Node:
+    """A run of blocks. `slots[i]` (int32) is the slot of token i, NO_SLOT when its block is
+    MISSING."""
+
+    __slots__ = ("id", "parent", "children", "key", "slots", "state", "hashes", "start",
+                 "lock_ref", "last_access", "n_gpu", "n_resident", "alive")
+
+    def __init__(self, node_id: int, parent: Node | None, key: bytes, slots: np.ndarray,
+                 state: np.ndarray, hashes: np.ndarray, start: int, last_access: int):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.key = key
+        self.slots = slots
+        self.state = state
+        self.hashes = hashes
+        self.start = start
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.alive = True
+        self.recount()
+
+    def recount(self) -> None:
+        self.n_gpu = int(np.count_nonzero(self.state == _GPU))
+        self.n_resident = len(self.state) - int(np.count_nonzero(self.state == _MISSING))
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.state)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The node's tokens, a read-only int64 view of `key`."""
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    @property
+    def end(self) -> int:
+        """Absolute position just after the node's last token."""
+        return self.start + len(self.slots)
+
+    def __repr__(self) -> str:
+        states = "".join("GCM"[s] for s in self.state)
+        return f"Node(id={self.id}, start={self.start}, [{states}], lock={self.lock_ref}, t={self.last_access})"
+
+
+@dataclass
+class Released:
+    """What an eviction step freed: slot arrays per tier, position ranges, block count."""
+
+    gpu_slots: list[np.ndarray] = field(default_factory=list)
+    cpu_slots: list[np.ndarray] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    blocks: int = 0
+
+
+class PrefixHasher:
+    """Polynomial hash of every block-aligned token prefix, computed vectorized.
+
+    Prefix hash after block i: H_i = H_{i-1} * R + d_i (mod 2**64) with d_i a digest of block i.
+    Written as H_i = R**i * sum_j d_j R**-j, a run of blocks needs one cumulative sum. Used only
+    for statistics (recognizing tokens that were cached before and deleted), never for matching.
+    """
+
+    _RADIX = 0x9E3779B97F4A7C15
+
+    def __init__(self, block_size: int):
+        rng = np.random.default_rng(20250101)
+        self._mix = rng.integers(1, 1 << 63, size=block_size, dtype=np.uint64) | np.uint64(1)
+        self._pow = np.ones(1, dtype=np.uint64)
+        self._inv = np.ones(1, dtype=np.uint64)
+        self.block_size = block_size
+
+    def _grow(self, n: int) -> None:
+        size = len(self._pow)
+        if n < size:
+            return
+        size = max(2 * size, n + 1)
+        inverse = pow(self._RADIX, -1, 1 << 64)
+        self._pow = np.ones(size, dtype=np.uint64)
+        self._pow[1:] = np.cumprod(np.full(size - 1, self._RADIX, dtype=np.uint64))
+        self._inv = np.ones(size, dtype=np.uint64)
+        self._inv[1:] = np.cumprod(np.full(size - 1, inverse, dtype=np.uint64))
+
+    def extend(self, base_hash: int, base_block: int, tokens: np.ndarray) -> np.ndarray:
+        """Prefix hashes of blocks base_block+1 .. base_block+k given H_{base_block}.
+
+        `tokens`: int64, k * block_size tokens. Returns uint64 [k]."""
+        k = len(tokens) // self.block_size
+        if k == 0:
+            return np.empty(0, dtype=np.uint64)
+        self._grow(base_block + k)
+        digests = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix + np.uint64(1)
+        g0 = (base_hash * int(self._inv[base_block])) & _MASK64
+        span = slice(base_block + 1, base_block + k + 1)
+        g = np.cumsum(digests * self._inv[span]) + np.uint64(g0)
+        return g * self._pow[span]
+
+
+def _empty_state() -> np.ndarray:
+    return np.empty(0, dtype=np.int8)
+
+
+class RadixTree:
+    """The block radix tree and its primitives. Policies decide; this class only executes."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._block_bytes = block_size * 8
+        self.root = Node(0, None, b"", np.empty(0, dtype=SLOT_DTYPE), _empty_state(),
+                         np.empty(0, dtype=np.uint64), 0, 0)
+        self.clock = 0
+        self.epoch = 0
+        self.evictable_tokens = 0
+        self.protected_tokens = 0
+        self.n_nodes = 0
+        self.leaves: set[Node] = set()
+        self.hasher = PrefixHasher(block_size)
+        self._next_id = 1
+
+    def walk(self, tokens: np.ndarray, n_blocks: int) -> tuple[list[Node], int]:
+        """Follow `tokens[: n_blocks * block_size]` down the tree through blocks of any state.
+
+        Read-only. Returns the nodes of the path and the number of blocks matched in the last one
+        (it may be less than that node's length; every earlier node matches fully)."""
+        raw = memoryview(tokens).cast("B")
+        bb = self._block_bytes
+        end = n_blocks * bb
+        children, pos, path = self.root.children, 0, []
+        while pos < end:
+            child = children.get(raw[pos:pos + bb].tobytes())
+            if child is None:
+                break
+            key = child.key
+            n = len(key)
+            if pos + n <= end and raw[pos:pos + n].tobytes() == key:
+                # The whole node matches: the common case, one bytes comparison.
+                path.append(child)
+                pos += n
+                children = child.children
+                continue
+            n = min(n, end - pos)
+            if raw[pos:pos + n].tobytes() != key[:n]:
+                ours = np.frombuffer(key, dtype=np.int64, count=n // 8)
+                theirs = tokens[pos // 8:(pos + n) // 8]
+                n = int(np.flatnonzero(ours != theirs)[0]) // self.block_size * bb
+            path.append(child)
+            return path, n // bb
+        return path, path[-1].n_blocks if path else 0
+
+    def commit(self, path: list[Node], last_blocks: int) -> list[Node]:
+        """Split the path's last node where the walk stopped, so the path covers whole nodes."""
+        if path and last_blocks < path[-1].n_blocks:
+            path[-1] = self.split(path[-1], last_blocks)
+        return path
+
+    def touch(self, path: list[Node]) -> None:
+        self.clock += 1
+        for node in path:
+            node.last_access = self.clock
+
+    def split(self, node: Node, k: int) -> Node:
+        """Cut `node` after its first k blocks; the new upper node is returned, `node` keeps the
+        rest (and its children), so handles that point at `node` stay valid."""
+        assert 0 < k < node.n_blocks, (k, node)
+        t = k * self.block_size
+        upper = Node(self._take_id(), node.parent, node.key[:t * 8], node.slots[:t].copy(),
+                     node.state[:k].copy(), node.hashes[:k].copy(), node.start, node.last_access)
+        upper.lock_ref = node.lock_ref
+        node.parent.children[upper.key[:self._block_bytes]] = upper
+        node.key, node.slots = node.key[t * 8:], node.slots[t:].copy()
+        node.state, node.hashes = node.state[k:].copy(), node.hashes[k:].copy()
+        node.start += t
+        node.recount()
+        node.parent = upper
+        upper.children[node.key[:self._block_bytes]] = node
+        self.n_nodes += 1
+        return upper
+
+    def add_leaf(self, parent: Node, tokens: np.ndarray, slots: np.ndarray) -> Node:
+        """New GPU-resident node under `parent` with whole blocks `tokens` and their `slots`."""
+        k = len(tokens) // self.block_size
+        base = parent.hashes[-1] if parent.n_blocks else np.uint64(0)
+        hashes = self.hasher.extend(int(base), parent.end // self.block_size, tokens)
+        node = Node(self._take_id(), parent, tokens.tobytes(), slots.astype(SLOT_DTYPE),
+                    np.full(k, _GPU, dtype=np.int8), hashes, parent.end, self.clock)
+        self.leaves.discard(parent)
+        parent.children[node.key[:self._block_bytes]] = node
+        self.leaves.add(node)
+        self.n_nodes += 1
+        self._count(node, node.n_gpu * self.block_size)
+        return node
+
+    def refill(self, node: Node, blocks: np.ndarray, slots: np.ndarray) -> None:
+        """Make MISSING `blocks` of `node` GPU-resident with `slots` ([len(blocks) * block_size])."""
+        bs = self.block_size
+        node.slots.reshape(-1, bs)[blocks] = slots.reshape(-1, bs)
+        node.state[blocks] = _GPU
+        node.n_gpu += len(blocks)
+        node.n_resident += len(blocks)
+        self._count(node, len(blocks) * bs)
+
+    def free_front(self, node: Node, k: int, out: Released) -> None:
+        """Mark the first k resident blocks of `node` MISSING and report their slots."""
+        self._release(node, np.flatnonzero(node.state != _MISSING)[:k], out)
+
+    def split_missing_front(self, node: Node) -> Node:
+        """Give the MISSING blocks at the front of `node` a node of their own when resident
+        blocks follow, so a hole is a node; returns the node that holds the resident rest."""
+        first = int(np.argmax(node.state != _MISSING))
+        if 0 < first and node.n_resident:
+            self.split(node, first)
+        return node
+
+    def free_tail(self, node: Node, k: int, out: Released) -> None:
+        """Delete blocks from the end of leaf `node` until k resident ones are gone (all when
+        k >= its resident count); the node is removed when nothing is left."""
+        assert not node.children, node
+        resident = np.flatnonzero(node.state != _MISSING)
+        cut = 0 if k >= len(resident) else int(resident[-k])
+        self._release(node, resident[resident >= cut], out)
+        if cut == 0:
+            self.remove(node)
+        else:
+            self._truncate(node, cut)
+
+    def prune(self, node: Node) -> Node | None:
+        """Remove an unlocked childless node that holds no resident block (nothing after its
+        hole to reuse), then its parent on the same condition, and so on. Returns the node
+        where pruning stopped (None at the root).
+
+        Leaves never end in MISSING blocks otherwise: holes are made at the front of nodes and
+        split off, and inserts refill whole nodes, so this is all the pruning needed
+        (`check` verifies it)."""
+        while (node is not self.root and not node.children and node.lock_ref == 0
+               and node.n_resident == 0):
+            parent = node.parent
+            self.remove(node)
+            node = parent
+        return None if node is self.root else node
+
+    def remove(self, node: Node) -> None:
+        """Detach a childless node; its resident blocks must have been released already."""
+        assert not node.children and node is not self.root and node.n_resident == 0, node
+        parent = node.parent
+        del parent.children[node.key[:self._block_bytes]]
+        if not parent.children and parent is not self.root:
+            self.leaves.add(parent)
+        self.leaves.discard(node)
+        node.alive = False
+        node.parent = None
+        self.n_nodes -= 1
+
+    def lock(self, node: Node, delta: int) -> None:
+        """Add `delta` (+1 or -1) to lock_ref on the root path of `node`."""
+        while node is not self.root:
+            before = node.lock_ref
+            node.lock_ref += delta
+            if (before == 0) != (node.lock_ref == 0):
+                moved = node.n_gpu * self.block_size * delta
+                self.evictable_tokens -= moved
+                self.protected_tokens += moved
+            node = node.parent
+
+    def nodes(self):
+        """All nodes except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def path_to_root(self, node: Node) -> list[Node]:
+        path = []
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def check(self, locks: dict[int, int]) -> np.ndarray:
+        """Raise InvariantError on any inconsistency; `locks` maps node id to the number of
+        live lock handles whose root path holds it. Returns the GPU slots the tree holds."""
+        bs, bb = self.block_size, self._block_bytes
+        evictable = protected = count = 0
+        gpu_slots = []
+        leaf_stamps = []
+        for node in self.nodes():
+            count += 1
+            parent, k = node.parent, node.n_blocks
+            _require(node.alive and parent.children.get(node.key[:bb]) is node, "broken parent link", node)
+            _require(k > 0 and len(node.key) == 8 * bs * k and len(node.slots) == bs * k
+                     and len(node.hashes) == k, "array lengths disagree", node)
+            _require(node.start == parent.end, "start is not the parent's end", node)
+            _require(np.isin(node.state, (_GPU, _CPU, _MISSING)).all(), "bad block state", node)
+            rows = node.slots.reshape(k, bs)
+            _require((rows[node.state == _MISSING] == NO_SLOT).all(), "MISSING block with a slot", node)
+            _require((rows[node.state != _MISSING] >= 0).all(), "resident block without a slot", node)
+            n_gpu, n_resident = node.n_gpu, node.n_resident
+            node.recount()
+            _require((n_gpu, n_resident) == (node.n_gpu, node.n_resident), "stale block counts", node)
+            _require(node.lock_ref == locks.get(node.id, 0), f"lock_ref, expected {locks.get(node.id, 0)}",
+                     node)
+            _require(node.last_access <= parent.last_access or parent is self.root,
+                     "more recent than its parent", node)
+            _require((not node.children) == (node in self.leaves), "leaf set out of date", node)
+            base = int(parent.hashes[-1]) if parent.n_blocks else 0
+            _require(np.array_equal(self.hasher.extend(base, node.start // bs, node.tokens), node.hashes),
+                     "stale prefix hashes", node)
+            if not node.children:
+                leaf_stamps.append(node.last_access)
+                _require(node.lock_ref > 0 or node.state[-1] != _MISSING,
+                         "unlocked leaf ends in MISSING blocks (should be pruned)", node)
+            tokens = node.n_gpu * bs
+            if node.lock_ref:
+                protected += tokens
+            else:
+                evictable += tokens
+            gpu_slots.append(rows[node.state == _GPU].ravel())
+        _require(count == self.n_nodes and all(leaf.alive for leaf in self.leaves), "node count", None)
+        _require(len(set(leaf_stamps)) == len(leaf_stamps), "two leaves share a recency stamp", None)
+        _require((evictable, protected) == (self.evictable_tokens, self.protected_tokens),
+                 f"accounting: counted evictable {evictable}, protected {protected}, "
+                 f"kept {self.evictable_tokens}, {self.protected_tokens}", None)
+        return np.concatenate(gpu_slots, dtype=np.int64) if gpu_slots else np.empty(0, dtype=np.int64)
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _count(self, node: Node, gpu_tokens: int) -> None:
+        if node.lock_ref:
+            self.protected_tokens += gpu_tokens
+        else:
+            self.evictable_tokens += gpu_tokens
+
+    def _release(self, node: Node, blocks: np.ndarray, out: Released) -> None:
+        """Mark resident `blocks` of `node` MISSING and report their slots."""
+        if not len(blocks):
+            return
+        bs = self.block_size
+        states = node.state[blocks]
+        rows = node.slots.reshape(-1, bs)
+        gpu, cpu = blocks[states == _GPU], blocks[states == _CPU]
+        if len(gpu):
+            out.gpu_slots.append(rows[gpu].ravel())
+            self._count(node, -len(gpu) * bs)
+        if len(cpu):
+            out.cpu_slots.append(rows[cpu].ravel())
+        out.blocks += len(blocks)
+        node.state[blocks] = _MISSING
+        rows[blocks] = NO_SLOT
+        node.recount()
+        # One range per run of consecutive blocks, in absolute token positions.
+        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+        for run in np.split(blocks, breaks):
+            out.ranges.append((node.start + int(run[0]) * bs, node.start + (int(run[-1]) + 1) * bs))
+        self.epoch += 1
+
+    def _truncate(self, node: Node, k: int) -> None:
+        """Keep the first k blocks of a leaf; the rest must have been released."""
+        t = k * self.block_size
+        node.key, node.slots = node.key[:t * 8], node.slots[:t].copy()
+        node.state, node.hashes = node.state[:k].copy(), node.hashes[:k].copy()
+        node.recount()
+
+
+def _require(condition: bool, message: str, node: Node | None) -> None:
+    if not condition:
+        raise InvariantError(f"radix tree: {message}" + (f" at {node!r}" if node is not None else ""))

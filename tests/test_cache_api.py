@@ -1,0 +1,312 @@
+"""KVCache API: match, insert, statistics, bad input, and the invariant checks themselves."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cache_helpers import request_slots, serve, shape
+from reference_cache import dump_real
+
+from penelope.cache import KVCache, _as_int_array
+from penelope.errors import CacheFullError, InvariantError, UsageError
+from penelope.tree import BlockState, PrefixHasher
+
+BS = 4
+S = list(range(1000, 1008))
+
+
+def tokens(base: int, n: int) -> np.ndarray:
+    return np.asarray(S + list(range(base, base + n)), dtype=np.int64)
+
+
+def snapshot(cache: KVCache):
+    alloc = cache.allocator
+    return (dump_real(cache), cache.free_size(), cache.evictable_size(), cache.protected_size(),
+            cache.tree.clock, alloc.outstanding_size(), alloc._stack[:alloc.free_size()].tolist())
+
+
+class SumOfPositions:
+    """Stand-in cost model: a token at position p costs 10 + p."""
+
+    def span_cost(self, start: int, end: int) -> float:
+        return float(sum(10 + p for p in range(start, end)))
+
+
+def test_match_reports_spans_holes_and_compute_from():
+    cache = KVCache(256, block_size=BS, policy="leaf-head-block")
+    a = tokens(100, 16)
+    for end in (16, 24):
+        serve(cache, a[:end])
+    cache.evict(4)  # front of the leaf [16, 24)
+    m = cache.match(np.concatenate([a, [7, 7]]))
+    assert [(s.start, s.end, s.state) for s in m.spans] == [
+        (0, 16, BlockState.GPU), (16, 20, BlockState.MISSING), (20, 24, BlockState.GPU)]
+    assert m.holes == [(16, 20)] and m.compute_from == 24 and m.matched == 24
+    assert m.loads == [] and m.hit_tokens == 20 and m.n_tokens == 26
+    assert len(m.spans[0].slots) == 16 and len(m.spans[1].slots) == 0
+    # Ending inside the hole: trailing MISSING blocks are just new tokens, not holes.
+    m = cache.match(a[:20])
+    assert m.holes == [] and m.compute_from == 16 and m.recomputed == [(16, 20)]
+
+
+def test_match_slots_are_the_inserted_slots():
+    cache = KVCache(64, block_size=BS)
+    a = tokens(100, 8)
+    slots = cache.alloc(len(a))
+    cache.insert(a, slots)
+    m = cache.match(a)
+    assert np.array_equal(m.spans[0].slots, slots)
+    m.spans[0].slots[:] = -5  # a copy: the caller cannot corrupt the tree
+    cache.check_invariants()
+
+
+def test_insert_frees_duplicates_and_the_partial_block():
+    cache = KVCache(64, block_size=BS)
+    a = tokens(100, 8)
+    first = cache.alloc(len(a) + 2)
+    result = cache.insert(np.concatenate([a, [1, 2]]), first)
+    assert (result.cached, result.new, result.freed) == (16, 16, 2)
+    again = cache.alloc(len(a))
+    result = cache.insert(a, again)
+    assert (result.already_cached, result.new, result.freed) == (16, 0, 16)
+    assert np.array_equal(cache.match(a).spans[0].slots, first[:16])
+    assert cache.free_size() == 64 - 16
+    cache.check_invariants()
+
+
+def test_insert_with_the_matched_slots_frees_nothing():
+    cache = KVCache(64, block_size=BS)
+    a = tokens(100, 8)
+    serve(cache, a)
+    longer = np.concatenate([a, np.arange(500, 508)])
+    m = cache.match(longer)
+    result = cache.insert(longer, request_slots(m, len(longer), cache.alloc(8)))
+    assert (result.already_cached, result.new, result.freed) == (16, 8, 0)
+    cache.check_invariants()
+
+
+def test_insert_refills_holes_with_the_new_slots():
+    cache = KVCache(256, block_size=BS)
+    a, b = tokens(100, 16), tokens(200, 8)
+    serve(cache, a[:16])
+    serve(cache, a)
+    serve(cache, b)
+    cache.evict(4)  # [8, 12) of A
+    m = cache.match(a)
+    assert m.holes == [(8, 12)]
+    handle = cache.lock(m)
+    new = cache.alloc(4)
+    result = cache.insert(a, request_slots(m, len(a), new))
+    cache.unlock(handle)
+    assert (result.refilled, result.new, result.freed) == (4, 0, 0)
+    assert np.array_equal(cache.match(a).spans[0].slots[8:12], new)
+    cache.check_invariants()
+
+
+def test_insert_of_a_prefix_splits_the_node():
+    cache = KVCache(64, block_size=BS)
+    a = tokens(100, 8)
+    serve(cache, a)
+    serve(cache, a[:8])
+    assert shape(cache) == [(0, 8, "GG"), (8, 16, "GG")]
+
+
+def test_int64_arrays_are_used_without_a_copy():
+    a = np.arange(100, dtype=np.int64)
+    assert _as_int_array(a, "tokens") is a
+    assert _as_int_array([1, 2], "tokens").dtype == np.int64
+    assert _as_int_array(np.arange(4, dtype=np.int32), "tokens").dtype == np.int64
+
+
+def test_stats_count_hits_misses_and_recomputed_tokens_with_costs():
+    cost = SumOfPositions()
+    cache = KVCache(256, block_size=BS, cost_model=cost)
+    a, b = tokens(100, 16), tokens(200, 8)
+    serve(cache, a[:16])
+    serve(cache, a)
+    serve(cache, b)
+    cache.evict(4)  # hole [8, 12) in A
+    before = cache.stats.requests, cache.stats.hit_tokens, cache.stats.missed_tokens
+    m, _ = serve(cache, np.concatenate([a, [9, 9, 9]]))
+    stats = cache.stats
+    assert m.recomputed == [(8, 12)]
+    assert stats.requests - before[0] == 1
+    assert stats.hit_tokens - before[1] == 20
+    assert stats.missed_tokens - before[2] == 4 + 3
+    assert stats.hole_tokens == 4 and stats.recomputed_tokens == 4
+    assert stats.recomputed_cost == cost.span_cost(8, 12)
+    assert stats.evicted_tokens == 4 and stats.evict_calls == 1 and stats.policy == "private-head-block"
+    assert 0 < stats.hit_rate < 1
+
+
+def test_stats_recognize_tokens_the_policy_deleted():
+    cache = KVCache(256, block_size=BS, policy="sglang", cost_model=SumOfPositions())
+    a = tokens(100, 16)
+    serve(cache, a)
+    cache.evict(10**6)  # SGLang deletes the nodes: nothing of A is left in the tree
+    assert shape(cache) == []
+    m, _ = serve(cache, np.concatenate([a, np.arange(500, 508)]))
+    assert m.compute_from == 0 and m.recomputed == [(0, 24)]
+    assert cache.stats.recomputed_tokens == 24
+    untracked = KVCache(256, block_size=BS, policy="sglang", track_recompute=False)
+    serve(untracked, a)
+    untracked.evict(10**6)
+    assert serve(untracked, a)[0].recomputed == []
+
+
+def test_stats_with_the_real_cost_model():
+    costmodel = pytest.importorskip("penelope.costmodel")
+    models = pytest.importorskip("penelope.models")
+    cm = costmodel.CostModel(models.get_model("qwen3-8b"))
+    cache = KVCache(256, block_size=BS, cost_model=cm)
+    a = tokens(100, 16)
+    serve(cache, a)
+    assert cache.stats.missed_cost == pytest.approx(cm.span_cost(0, 24))
+    serve(cache, a)
+    assert cache.stats.missed_cost == pytest.approx(cm.span_cost(0, 24))
+
+
+def test_prefix_hashes_do_not_depend_on_how_a_sequence_is_cut():
+    hasher = PrefixHasher(BS)
+    t = np.arange(40, dtype=np.int64) * 7919
+    whole = hasher.extend(0, 0, t)
+    first = hasher.extend(0, 0, t[:12])
+    rest = hasher.extend(int(first[-1]), 3, t[12:])
+    assert np.array_equal(whole, np.concatenate([first, rest]))
+    assert len(set(whole.tolist())) == 10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"capacity": 3}, "below one block"),
+    ({"capacity": 64, "policy": "lru"}, "unknown eviction policy 'lru'.*penelope.*sglang"),
+    ({"capacity": 64, "block_size": 0}, "block_size"),
+    ({"capacity": 64.0}, "capacity"),
+    ({"capacity": 64, "cost_model": object()}, "span_cost"),
+])
+def test_bad_construction(kwargs, message):
+    kwargs.setdefault("block_size", BS)
+    with pytest.raises(UsageError, match=message):
+        KVCache(**kwargs)
+
+
+def loaded_cache():
+    cache = KVCache(64, block_size=BS)
+    serve(cache, tokens(100, 16))
+    serve(cache, tokens(200, 8))
+    cache.evict(4)
+    return cache
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda c: c.match([1.5, 2.5, 3.5, 4.5]), "integers"),
+    (lambda c: c.match(np.zeros((2, 4), dtype=np.int64)), "1-D"),
+    (lambda c: c.match(np.array([True] * 4)), "integers"),
+    (lambda c: c.match(["a", "b"]), "integers"),
+    (lambda c: c.match([2**64 - 1]), "int64|integers"),
+    (lambda c: c.alloc(65), "cannot allocate 65"),
+    (lambda c: c.alloc(-1), "non-negative"),
+    (lambda c: c.evict(2.0), "non-negative integer"),
+    (lambda c: c.free(np.array([60])), "not handed out"),
+    (lambda c: c.insert(tokens(100, 16), np.arange(23)), "24 tokens but 23 slots"),
+    (lambda c: c.insert(tokens(300, 8), np.arange(40, 56)), "not handed out"),
+    (lambda c: c.insert(tokens(300, 8), np.array([-1] * 16)), "outside the pool"),
+    (lambda c: c.insert(tokens(300, 8), np.full(16, 64)), "outside the pool"),
+    (lambda c: c.insert(np.arange(65), np.arange(65)), "never fit"),
+    (lambda c: c.lock(c.match(np.arange(65))), "never fit"),
+    (lambda c: c.lock("a match"), "MatchResult"),
+    (lambda c: c.unlock(None), "handle"),
+])
+def test_bad_input_raises_and_leaves_the_cache_unchanged(call, message):
+    cache = loaded_cache()
+    before = snapshot(cache)
+    with pytest.raises(UsageError, match=message):
+        call(cache)
+    after = snapshot(cache)
+    # A match made to build the bad lock call bumps the clock; nothing else may change.
+    assert after[:4] == before[:4] and after[5:] == before[5:]
+    cache.check_invariants()
+
+
+def test_insert_rejects_duplicate_and_cached_slots_without_changes():
+    cache = loaded_cache()
+    new = cache.alloc(16)
+    before = snapshot(cache)
+    dup = new.copy()
+    dup[5] = dup[4]
+    with pytest.raises(UsageError, match="appears twice"):
+        cache.insert(tokens(300, 8), dup)
+    cached = cache.match(tokens(200, 8)).spans[0].slots
+    before = snapshot(cache)
+    stolen = new.copy()
+    stolen[12] = cached[0]  # a new position given a slot the tree holds
+    with pytest.raises(UsageError, match="held by the cache"):
+        cache.insert(tokens(300, 8), stolen)
+    assert snapshot(cache) == before
+    cache.insert(tokens(300, 8), new)
+    cache.check_invariants()
+
+
+def test_unlock_twice_and_foreign_handles():
+    cache, other = loaded_cache(), loaded_cache()
+    handle = cache.lock(cache.match(tokens(200, 8)))
+    with pytest.raises(UsageError, match="handle"):
+        other.unlock(handle)
+    cache.unlock(handle)
+    before = snapshot(cache)
+    with pytest.raises(UsageError, match="already unlocked"):
+        cache.unlock(handle)
+    assert snapshot(cache) == before
+    with pytest.raises(UsageError, match="MatchResult"):
+        other.lock(cache.match(tokens(200, 8)))
+
+
+def test_a_match_is_stale_after_an_eviction():
+    cache = loaded_cache()
+    m = cache.match(tokens(200, 8))
+    cache.evict(4)
+    with pytest.raises(UsageError, match="stale"):
+        cache.lock(m)
+    cache.lock(cache.match(tokens(200, 8)))
+    cache.check_invariants()
+
+
+def test_cache_full_when_everything_is_locked_leaves_the_cache_unchanged():
+    cache = KVCache(32, block_size=BS)
+    a = tokens(100, 8)
+    serve(cache, a)
+    handle = cache.lock(cache.match(a))
+    held = cache.alloc(cache.free_size())
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match="locked by running requests"):
+        cache.alloc(4)
+    assert snapshot(cache) == before
+    cache.free(held)
+    cache.unlock(handle)
+    assert len(cache.alloc(32)) == 32  # everything evictable once unlocked
+    cache.check_invariants()
+
+
+def test_evict_zero_is_safe_and_evict_reports_slots():
+    cache = loaded_cache()
+    assert cache.evict(0).freed_tokens == 0
+    result = cache.evict(8)
+    assert result.freed_tokens == 8 and len(set(result.slots.tolist())) == 8
+    assert all(cache.allocator._owner[result.slots] == 0)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda c, n: setattr(n, "lock_ref", n.lock_ref + 1), "lock_ref"),
+    (lambda c, n: n.state.__setitem__(0, int(BlockState.MISSING)), "MISSING block with a slot"),
+    (lambda c, n: setattr(c.tree, "evictable_tokens", c.tree.evictable_tokens + 4), "accounting"),
+    (lambda c, n: n.slots.__setitem__(0, n.slots[1]), "holds a slot twice"),
+    (lambda c, n: setattr(n, "start", n.start + 4), "start"),
+    (lambda c, n: c.tree.leaves.discard(n), "leaf set"),
+    (lambda c, n: c.allocator._owner.__setitem__(int(n.slots[0]), 0), "tagged free"),
+])
+def test_check_invariants_detects_corruption(corrupt, message):
+    cache = loaded_cache()
+    cache.check_invariants()
+    leaf = next(n for n in cache.tree.nodes() if not n.children and n.n_gpu == n.n_blocks)
+    corrupt(cache, leaf)
+    with pytest.raises(InvariantError, match=message):
+        cache.check_invariants()

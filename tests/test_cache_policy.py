@@ -1,0 +1,48 @@
+"""The eviction policy registry."""
+from __future__ import annotations
+
+import pytest
+
+from penelope import policy
+from penelope.cache import KVCache
+from penelope.errors import UsageError
+from penelope.policy import EvictionPolicy, LeafTailNode, PrivateHeadBlock, get_policy, policy_names, register
+
+SIX = ["leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block",
+       "private-head-node", "private-head-block"]
+
+
+def test_the_ablation_grid_is_registered_with_aliases():
+    assert policy_names() == SIX
+    assert set(policy_names(aliases=True)) == set(SIX) | {"sglang", "penelope"}
+    assert isinstance(get_policy("sglang"), LeafTailNode)
+    assert isinstance(get_policy("penelope"), PrivateHeadBlock)
+    assert get_policy("penelope").name == "private-head-block"
+    assert KVCache(64, block_size=4, policy="sglang").stats.policy == "leaf-tail-node"
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(UsageError, match="unknown eviction policy 'lru' \\(known: leaf-tail-node, .*penelope"):
+        get_policy("lru")
+    with pytest.raises(UsageError):
+        get_policy(None)
+
+
+def test_register_returns_the_class_and_refuses_duplicates():
+    class Mine(EvictionPolicy):
+        pass
+
+    try:
+        assert register("test-only-policy")(Mine) is Mine
+        assert isinstance(get_policy("test-only-policy"), Mine)
+    finally:
+        policy._REGISTRY.pop("test-only-policy")
+        policy._CANONICAL.remove("test-only-policy")
+    with pytest.raises(ValueError, match="'penelope' registered twice"):
+        register("another", "penelope")(Mine)
+    assert "another" not in policy_names(aliases=True)
+
+
+def test_a_policy_object_can_be_passed_directly():
+    cache = KVCache(64, block_size=4, policy=PrivateHeadBlock())
+    assert cache.policy.name == "private-head-block"
