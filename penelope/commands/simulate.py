@@ -1,0 +1,282 @@
+"""`penelope simulate`: replay agent sessions through the real KV cache under several eviction
+policies and compare TTFT, session completion time (JCT) and hit rate against SGLang.
+
+With no arguments it replays the embedded synthetic workload (24 sessions, about 4,800
+requests, the paper's Claude Code statistics) on Qwen3-8B with a 256K-token GPU cache, 4
+sessions at a time, longest-prefix-first, SGLang vs Penelope: about 20 s on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from penelope.report import format_table
+from penelope.units import format_size
+
+
+def add_parser(subparsers) -> None:
+    from penelope.sim.options import add_workload_arguments
+    from penelope.sim.timemodel import GPUS
+
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay agent sessions through the cache under several eviction policies",
+        description=(
+            "Closed-loop trace replay through Penelope's cache manager with a serving-time model. "
+            "Prints TTFT, JCT and hit rate per policy and each policy's change against SGLang; "
+            "SGLang's hit rate shows how much pressure the cache is under."
+        ),
+    )
+    add_workload_arguments(parser)
+    parser.add_argument("--model", default="qwen3-8b", help="built-in model name or a config.json path")
+    parser.add_argument("--gpu", default="h100", help=f"GPU of the time model's estimates: {' | '.join(GPUS)}")
+    parser.add_argument("--calibration", metavar="FILE", help="calibration JSON overriding the time model")
+    parser.add_argument(
+        "--gpu-cache",
+        help="GPU KV capacity in tokens, or a comma-separated sweep (default: the paper's, 256K for Qwen3-8B)",
+    )
+    parser.add_argument(
+        "--cpu-cache",
+        default="0",
+        help="CPU tier in tokens (0: GPU only; a CPU tier needs the two-tier cache, not built yet)",
+    )
+    parser.add_argument("--sessions", type=int, default=4, help="sessions active at once (closed loop)")
+    parser.add_argument(
+        "--scheduler", default="lpm", help="waiting-queue order: lpm (longest prefix match first) | fcfs"
+    )
+    parser.add_argument("--chunk-size", default="8K", help="prefill tokens per batch (chunked prefill)")
+    parser.add_argument(
+        "--policies",
+        default="sglang,penelope",
+        help="comma-separated eviction policies, or 'ablation' for the paper's six-policy grid",
+    )
+    parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT and hit rate per policy")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from penelope.sim.run import parse_policies, run_policies
+    from penelope.sim.timemodel import TimeModel
+
+    policies = parse_policies(args.policies)
+    setup = prepare(args)
+    workload, config_json = setup["workload"], setup["config"]
+    config_json["policies"] = policies
+    capacities = setup["capacities"]
+    config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
+    time_model: TimeModel = setup["time_model"]
+    print_config(config_json, time_model)
+
+    bar = progress_bar(workload.num_requests * len(policies) * len(capacities), args.no_progress)
+    sweep = []
+    try:
+        for capacity in capacities:
+            config = setup["make_config"](capacity)
+            results = run_policies(workload, policies, config, time_model, setup["cost"], progress=bar)
+            sweep.append((capacity, results))
+    finally:
+        if bar is not None:
+            bar.close()
+    for capacity, results in sweep:
+        print()
+        print(results_table(capacity, results))
+    print(
+        "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
+        "changes are relative to sglang, hit rate in percentage points"
+    )
+
+    if args.json:
+        payload = {"config": config_json}
+        if len(sweep) == 1:
+            payload["results"] = {name: r.as_dict() for name, r in sweep[0][1].items()}
+        else:
+            payload["sweep"] = [
+                {"gpu_cache": capacity, "results": {name: r.as_dict() for name, r in results.items()}}
+                for capacity, results in sweep
+            ]
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_results(args.plot, sweep, setup["shape"].name)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def prepare(args) -> dict:
+    """Everything both `simulate` and `analyze` need from the options: the workload, the model,
+    the time and cost models, the GPU capacities (the model's default when none is given) and a
+    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
+    from penelope.costmodel import CostModel
+    from penelope.errors import UsageError
+    from penelope.models import get_model
+    from penelope.sim.options import load_from_args
+    from penelope.sim.run import SimConfig, default_gpu_cache
+    from penelope.sim.timemodel import TimeModel
+    from penelope.units import parse_size, parse_size_list
+
+    shape = get_model(args.model)
+    if args.calibration:
+        time_model = TimeModel.from_json(args.calibration, shape, args.gpu)
+    else:
+        time_model = TimeModel.estimate(shape, args.gpu)
+    capacities = parse_size_list(args.gpu_cache, "--gpu-cache") if args.gpu_cache else []
+    cpu_cache = parse_size(args.cpu_cache, "--cpu-cache", allow_zero=True)
+    chunk_size = parse_size(args.chunk_size, "--chunk-size")
+
+    def make_config(capacity: int) -> SimConfig:
+        return SimConfig(
+            gpu_cache=capacity,
+            cpu_cache=cpu_cache,
+            sessions=args.sessions,
+            scheduler=args.scheduler,
+            chunk_size=chunk_size,
+        )
+
+    capacities = capacities or [default_gpu_cache(shape)]
+    # Validate every option before the (slow) workload load and replays.
+    for capacity in capacities:
+        make_config(capacity)
+    if cpu_cache:
+        raise UsageError("--cpu-cache needs the two-tier cache (issue 4)")
+    workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
+    config = {
+        "workload": description,
+        "model": shape.name,
+        "gpu": time_model.gpu,
+        "num_gpus": time_model.num_gpus,
+        "calibration": args.calibration,
+        "cpu_cache": cpu_cache,
+        "sessions": args.sessions,
+        "scheduler": args.scheduler,
+        "chunk_size": chunk_size,
+        "block_size": 64,
+        "time_model": time_model.as_dict(),
+    }
+    return {
+        "workload": workload,
+        "config": config,
+        "shape": shape,
+        "time_model": time_model,
+        "cost": CostModel(shape),
+        "capacities": capacities,
+        "make_config": make_config,
+    }
+
+
+def progress_bar(total: int, disabled: bool):
+    """A tqdm bar on stderr over replayed requests, or None when off or stderr is not a terminal."""
+    if disabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="replay", leave=False)
+
+
+def print_config(config: dict, time_model) -> None:
+    work = config["workload"]
+    loader = work["loader"]
+    source = f"{work['format']} {work['trace']}" if work["trace"] else loader["sources"][0]
+    dropped = ", ".join(f"{k} {v}" for k, v in loader["dropped"].items()) or "none"
+    skipped = ", ".join(f"{k} {v}" for k, v in loader["sessions_skipped"].items()) or "none"
+    print(
+        f"workload: {source}: {work['sessions']} sessions, {work['requests']:,} requests "
+        f"(requests left out: {dropped}; sessions left out: {skipped})"
+    )
+    think = work["think_time"]
+    print(
+        f"  max context {format_size(work['max_context'])}, think time {think['mode']}"
+        + (f" x{think['scale']:g}" if think["scale"] != 1 else "")
+        + (f" capped at {think['cap']:g} s" if think["cap"] is not None else "")
+    )
+    print(
+        f"model {config['model']} on {config['num_gpus']}x {config['gpu'].upper()} "
+        f"({'calibrated from ' + config['calibration'] if config['calibration'] else 'estimated time model'}), "
+        f"c_lin {time_model.c_lin:,.0f}"
+    )
+    gpu_cache = config["gpu_cache"]
+    sizes = ", ".join(format_size(c) for c in gpu_cache) if isinstance(gpu_cache, list) else format_size(gpu_cache)
+    print(
+        f"server: GPU cache {sizes} tokens, CPU cache {format_size(config['cpu_cache'])}, "
+        f"{config['sessions']} sessions at once, {config['scheduler'].upper()} scheduler, "
+        f"{config['chunk_size']} prefill tokens per batch"
+    )
+
+
+def results_table(capacity: int, results: dict) -> str:
+    """The per-policy table of one capacity, with SGLang's hit rate as the pressure."""
+    from penelope.sim.run import baseline_of
+
+    base = baseline_of(results)
+    skipped = base.replay.skipped
+    head = (
+        f"GPU cache {format_size(capacity)}: pressure = SGLang hit rate {base.summary.hit_rate:.1%}, "
+        f"{base.summary.requests:,} requests"
+        + (f" ({skipped} never fit the cache and were skipped)" if skipped else "")
+    )
+    rows = []
+    for name, result in results.items():
+        s, change = result.summary, result.changes
+        rows.append(
+            (
+                name,
+                f"{s.ttft_mean:.3f}",
+                f"{s.ttft_p50:.3f}",
+                f"{s.ttft_p90:.3f}",
+                f"{s.jct_mean:,.1f}",
+                f"{s.hit_rate:.2%}",
+                f"{s.recomputed_tokens:,}",
+                f"{s.recompute_cost:.3g}",
+                s.swap_loads,
+                percent(change["ttft_mean"]),
+                percent(change["ttft_p90"]),
+                percent(change["jct_mean"]),
+                f"{change['hit_rate_points']:+.2f}",
+            )
+        )
+    headers = (
+        "policy",
+        "TTFT mean s",
+        "TTFT p50",
+        "TTFT p90",
+        "JCT mean s",
+        "hit rate",
+        "recomputed tok",
+        "recompute cost",
+        "swap loads",
+        "TTFT vs sglang",
+        "p90 vs sglang",
+        "JCT vs sglang",
+        "hit pts vs sglang",
+    )
+    return head + "\n" + format_table(headers, rows)
+
+
+def percent(change: float) -> str:
+    """A relative change as a signed percentage; n/a for NaN."""
+    return "n/a" if change != change else f"{change:+.1%}"
+
+
+def plot_results(path: str, sweep: list, model: str) -> None:
+    """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity)."""
+    from penelope.plotting import pyplot
+
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [format_size(capacity) for capacity, _ in sweep]
+    x = list(range(len(sweep)))
+    for name in sweep[0][1]:
+        left.plot(x, [results[name].summary.ttft_mean for _, results in sweep], "o-", label=name)
+        right.plot(x, [100 * results[name].summary.hit_rate for _, results in sweep], "o-", label=name)
+    for axis, label in ((left, "mean TTFT (s)"), (right, "hit rate (%)")):
+        axis.set_xticks(x, labels)
+        axis.set_xlabel("GPU KV cache (tokens)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle(f"{model}: trace replay by eviction policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

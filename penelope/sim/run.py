@@ -1,0 +1,181 @@
+"""Run several eviction policies (and cache capacities) on one workload and collect the results.
+
+Every policy replays the same workload from an empty cache with the same serving-time model, so
+their differences come from eviction alone. `ablation` names the paper's six-policy grid
+(where: leaf tail, leaf head, private-history head; how much: whole node, needed blocks);
+`leaf-tail-node` is SGLang's RadixCache and the baseline of every comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from penelope.cache import CacheStats, KVCache
+from penelope.costmodel import CostModel
+from penelope.errors import UsageError
+from penelope.models import ModelShape, get_model
+from penelope.policy import get_policy, policy_names
+from penelope.sim.metrics import Summary, changes_against, summarize
+from penelope.sim.replay import Replay, ReplayResult
+from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
+from penelope.sim.timemodel import DEFAULT_GPU_CACHE, PAPER_GPU_CACHE, TimeModel
+from penelope.sim.workloads import Workload
+
+BASELINE = "leaf-tail-node"
+BASELINE_ALIAS = "sglang"
+DEFAULT_POLICIES = ("sglang", "penelope")
+
+
+def ablation_policies() -> list[str]:
+    """The paper's six-policy grid, canonical names, SGLang's `leaf-tail-node` first."""
+    names = policy_names()
+    if len(names) != 6 or names[0] != BASELINE:
+        raise UsageError(f"the ablation grid needs the six registered policies, found {', '.join(names)}")
+    return names
+
+
+def parse_policies(text: str) -> list[str]:
+    """Policy names from `a,b,c` or `ablation`, validated against the registry, duplicates
+    (aliases included) removed. The baseline (`sglang`) is put first when it is missing."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise UsageError("--policies: empty list")
+    names: list[str] = []
+    for item in items:
+        names.extend(ablation_policies() if item == "ablation" else [item])
+    chosen: list[str] = []
+    seen: set[str] = set()
+    for name in names:
+        canonical = get_policy(name).name
+        if canonical not in seen:
+            seen.add(canonical)
+            chosen.append(name)
+    if BASELINE not in seen:
+        chosen.insert(0, BASELINE_ALIAS)
+    return chosen
+
+
+def default_gpu_cache(shape: ModelShape) -> int:
+    """The paper's GPU KV capacity for a model (256K for 8B, 192K for 32B, 384K for 235B-A22B),
+    256K for other models."""
+    return PAPER_GPU_CACHE.get(shape.name, DEFAULT_GPU_CACHE)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the server is simulated. Sizes in tokens; `cpu_cache` 0 means GPU only."""
+
+    gpu_cache: int
+    cpu_cache: int = 0
+    sessions: int = 4
+    scheduler: str = "lpm"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    block_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise UsageError(f"block size must be positive, got {self.block_size}")
+        if self.gpu_cache < self.block_size:
+            raise UsageError(f"--gpu-cache {self.gpu_cache} is below one block of {self.block_size} tokens")
+        if self.cpu_cache < 0:
+            raise UsageError(f"--cpu-cache must be non-negative, got {self.cpu_cache}")
+        if self.sessions < 1:
+            raise UsageError(f"--sessions must be at least 1, got {self.sessions}")
+        if self.scheduler not in ORDERS:
+            raise UsageError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(ORDERS)}")
+        if self.chunk_size < 1:
+            raise UsageError(f"--chunk-size must be positive, got {self.chunk_size}")
+
+
+def make_cache(policy: str, config: SimConfig, cost_model: CostModel) -> KVCache:
+    """A fresh cache for one replay. A CPU tier needs the two-tier cache, which is not built yet."""
+    if config.cpu_cache:
+        raise UsageError("--cpu-cache needs the two-tier cache (issue 4)")
+    return KVCache(config.gpu_cache, config.block_size, policy, cost_model=cost_model)
+
+
+@dataclass
+class PolicyResult:
+    """One policy's replay: its summary, the replay counters and the cache's own statistics."""
+
+    policy: str
+    canonical: str
+    summary: Summary
+    replay: ReplayResult
+    cache_stats: CacheStats
+    changes: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """JSON-ready figures: the summary (times in s, sizes in tokens), counters, and the change
+        against SGLang (`vs_sglang`: relative changes, hit rate in percentage points)."""
+        data = dict(self.summary.as_dict())
+        data.update(
+            policy=self.canonical,
+            skipped_requests=self.replay.skipped,
+            phantom_tokens=self.replay.phantom_tokens,
+            evicted_tokens=self.cache_stats.evicted_tokens,
+            prefill_batches=self.replay.prefill_batches,
+            decode_steps=self.replay.decode_steps,
+            sim_time=self.replay.sim_time,
+            wall_time=self.replay.wall_time,
+            vs_sglang=dict(self.changes),
+        )
+        return json_ready(data)
+
+
+def run_policies(
+    workload: Workload,
+    policies: list[str],
+    config: SimConfig,
+    time_model: TimeModel,
+    cost_model: CostModel | None = None,
+    progress=None,
+) -> dict[str, PolicyResult]:
+    """Replay `workload` once per policy (names as given, keys of the result, in order) and
+    compare each with the baseline; `policies` must include it (see `parse_policies`)."""
+    cost = cost_model if cost_model is not None else CostModel(get_model(time_model.model))
+    results: dict[str, PolicyResult] = {}
+    baseline = None
+    for name in policies:
+        cache = make_cache(name, config, cost)
+        outcome = Replay(
+            workload,
+            cache,
+            time_model,
+            cost,
+            sessions=config.sessions,
+            order=config.scheduler,
+            chunk_size=config.chunk_size,
+            progress=progress,
+        ).run()
+        cache.check_invariants()
+        result = PolicyResult(name, cache.policy.name, summarize(outcome.records), outcome, cache.stats)
+        results[name] = result
+        if result.canonical == BASELINE:
+            baseline = name
+    if baseline is None:
+        raise UsageError(f"the policies must include the baseline {BASELINE_ALIAS!r}")
+    changes = changes_against({name: r.summary for name, r in results.items()}, baseline)
+    for name, result in results.items():
+        result.changes = changes[name]
+    return results
+
+
+def baseline_of(results: dict[str, PolicyResult]) -> PolicyResult:
+    """The SGLang result among `results`."""
+    for result in results.values():
+        if result.canonical == BASELINE:
+            return result
+    raise UsageError(f"no {BASELINE_ALIAS!r} result")
+
+
+def json_ready(value):
+    """NaN and infinities become None, so the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    return value

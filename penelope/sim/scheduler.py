@@ -1,0 +1,237 @@
+"""The simulated server's scheduler: waiting queue, admission through the real KV cache, chunked prefill.
+
+Modelled on SGLang 0.5.23's scheduler, simplified where the difference does not change cache
+behaviour:
+- Order: `lpm` (longest prefix match first: waiting requests sorted by the tokens the cache holds
+  for them, ties by arrival) or `fcfs` (by send time). SGLang matches every waiting request
+  each time it forms a prefill batch to sort by prefix length; so does this scheduler, and
+  each match bumps the matched path's recency in the cache, as SGLang's does.
+- Admission: a request is admitted when the KV it will write fits: slots for every token it
+  computes (phantom holes + new tokens) and for its whole reply, all allocated up front through
+  `KVCache.alloc`, which evicts as needed (never from a locked path). Its matched path is locked
+  until it finishes, so a running request's KV is never evicted. The first request in order that
+  does not fit stops admission (head-of-line blocking, as SGLang's prefill adder stops).
+- Chunked prefill: one prefill batch computes at most `chunk_size` tokens (phantom holes count:
+  they are computed in the batch); the last request admitted may be cut, and only that one
+  request continues in the next prefill batch, first. A request's computation is its holes in
+  position order then its new tokens, so every query's keys exist when it runs.
+- The request's prompt is matched without its last token (as SGLang does), so at least one token
+  is computed and the first output token has a batch to come from.
+
+The reply's KV is not inserted into the cache when a request finishes: workloads name input
+blocks only, and the next request's blocks after the previous input carry new keys, so reply
+KV could never be matched. Input KV is inserted at finish (SGLang's `cache_finished_req`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from penelope.errors import CacheFullError, UsageError
+from penelope.sim.workloads import Request
+from penelope.tree import BlockState
+
+ORDERS = ("lpm", "fcfs")
+DEFAULT_CHUNK_SIZE = 8192
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the simulated server.
+
+    tokens: int64 `[input_tokens]`, the prompt (dropped when the job finishes).
+    After admission: `slots` int64 `[input_tokens]` (KV slot of every prompt position),
+    `out_slots` int64 `[output_tokens]`, `work` the (start, end) position spans still to compute,
+    `reused` tokens found resident, `recomputed` spans the cache had held before, `phantom`
+    hole tokens refilled, `loaded` tokens loaded from a CPU tier. `number` is the session's
+    position in the workload. Times in seconds of simulated time."""
+
+    session: str
+    index: int
+    request: Request
+    send_time: float
+    tokens: np.ndarray
+    number: int = 0
+    seq: int = 0
+    handle: object = None
+    slots: np.ndarray | None = None
+    out_slots: np.ndarray | None = None
+    work: list[tuple[int, int]] = field(default_factory=list)
+    reused: int = 0
+    recomputed: list[tuple[int, int]] = field(default_factory=list)
+    phantom: int = 0
+    loaded: int = 0
+    swap_loads: int = 0
+    first_token_time: float | None = None
+    generated: int = 0
+
+    @property
+    def input_tokens(self) -> int:
+        return self.request.input_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return self.request.output_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens a decode step reads for this request."""
+        return self.request.input_tokens + self.generated
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The part of one job computed in a prefill batch: position spans, and whether it ends the prompt.
+    `loaded`: CPU-tier tokens to load before this chunk (first chunk only)."""
+
+    job: Job
+    segments: tuple[tuple[int, int], ...]
+    last: bool
+    loaded: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(end - start for start, end in self.segments)
+
+
+class Scheduler:
+    """Waiting queue and prefill-batch formation over a `KVCache` (see the module docstring).
+
+    cache: a `penelope.cache.KVCache` (or anything with the same match/lock/alloc/insert/
+        unlock/free methods and sizes); order: `"lpm"` or `"fcfs"`; chunk_size: tokens per
+        prefill batch."""
+
+    def __init__(self, cache, order: str = "lpm", chunk_size: int = DEFAULT_CHUNK_SIZE):
+        if order not in ORDERS:
+            raise UsageError(f"unknown scheduler {order!r}; choose from {', '.join(ORDERS)}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise UsageError(f"chunk size must be a positive number of tokens, got {chunk_size!r}")
+        self.cache = cache
+        self.order = order
+        self.chunk_size = chunk_size
+        self.waiting: list[Job] = []
+        # The request whose prompt was cut by the last prefill batch; it continues first.
+        self.chunked: Job | None = None
+        self._seq = 0
+
+    def submit(self, job: Job) -> None:
+        """Queue a request that has reached the server. It must fit an empty cache alone."""
+        if job.input_tokens + job.output_tokens > self.cache.capacity:
+            raise UsageError(
+                f"{job.request.source}: {job.input_tokens} input + {job.output_tokens} output tokens "
+                f"can never fit a cache of {self.cache.capacity} tokens"
+            )
+        if job.input_tokens < 1:
+            raise UsageError(f"{job.request.source}: a request needs at least one input token")
+        job.seq = self._seq
+        self._seq += 1
+        self.waiting.append(job)
+
+    def has_work(self) -> bool:
+        """True while a request waits or a cut prompt has chunks left."""
+        return bool(self.waiting) or self.chunked is not None
+
+    def form_prefill(self) -> list[Chunk]:
+        """The next prefill batch: the cut request's next chunk, then admitted waiting requests in
+        order while the token budget lasts. Empty when nothing can run now."""
+        budget = self.chunk_size
+        chunks: list[Chunk] = []
+        if self.chunked is not None:
+            job, self.chunked = self.chunked, None
+            chunk = self._take(job, budget)
+            chunks.append(chunk)
+            budget -= chunk.tokens
+            if not chunk.last:
+                return chunks
+        if budget <= 0 or not self.waiting:
+            return chunks
+        for job in self._ordered():
+            if budget <= 0:
+                break
+            loaded = self._admit(job)
+            if loaded is None:
+                break
+            self.waiting.remove(job)
+            chunk = self._take(job, budget, loaded)
+            chunks.append(chunk)
+            budget -= chunk.tokens
+            if not chunk.last:
+                break
+        return chunks
+
+    def release(self, job: Job) -> None:
+        """A finished request: insert its prompt's KV, free its reply's slots, unlock its path."""
+        self.cache.insert(job.tokens, job.slots)
+        if len(job.out_slots):
+            self.cache.free(job.out_slots)
+        self.cache.unlock(job.handle)
+        job.handle = None
+        job.tokens = job.slots = job.out_slots = None
+
+    def _ordered(self) -> list[Job]:
+        if self.order == "fcfs":
+            return sorted(self.waiting, key=lambda job: (job.send_time, job.seq))
+        # Longest resident match first; SGLang sorts by the length of the matched device prefix.
+        resident = {id(job): self.cache.match(job.tokens[:-1]).hit_tokens for job in self.waiting}
+        return sorted(self.waiting, key=lambda job: (-resident[id(job)], job.send_time, job.seq))
+
+    def _admit(self, job: Job) -> int | None:
+        """Match, lock and allocate for `job`; the tokens to load from CPU, or None if it does not fit."""
+        cache = self.cache
+        n = job.input_tokens
+        match = cache.match(job.tokens[:-1])
+        work = [*match.holes, (match.compute_from, n)]
+        computed = sum(end - start for start, end in work)
+        need = computed + job.output_tokens
+        # Locking the path only turns evictable tokens into protected ones: this bound is necessary.
+        if need > cache.free_size() + cache.evictable_size():
+            return None
+        handle = cache.lock(match)
+        try:
+            fresh = cache.alloc(need)
+        except CacheFullError:
+            cache.unlock(handle)
+            return None
+        slots = np.empty(n, dtype=np.int64)
+        used = 0
+        for start, end in work:
+            slots[start:end] = fresh[used : used + end - start]
+            used += end - start
+        loaded = 0
+        for span in match.spans:
+            if span.state == BlockState.MISSING:
+                continue
+            slots[span.start : span.end] = span.slots
+            # CPU spans are reused but must be loaded first; their time is charged to the first
+            # chunk. The GPU-only cache never reports them: a two-tier cache (issue 4) must also
+            # hand the loaded blocks GPU slots here before `insert` can take them.
+            if span.state == BlockState.CPU:
+                loaded += len(span)
+        job.handle = handle
+        job.slots = slots
+        job.out_slots = fresh[used:]
+        job.work = [(start, end) for start, end in work if end > start]
+        job.reused = match.hit_tokens
+        job.recomputed = list(match.recomputed)
+        job.phantom = sum(end - start for start, end in match.holes)
+        job.loaded = loaded
+        return loaded
+
+    def _take(self, job: Job, budget: int, loaded: int = 0) -> Chunk:
+        """Cut up to `budget` tokens from the front of `job`'s remaining work."""
+        segments = []
+        while job.work and budget > 0:
+            start, end = job.work[0]
+            stop = min(end, start + budget)
+            segments.append((start, stop))
+            budget -= stop - start
+            if stop == end:
+                job.work.pop(0)
+            else:
+                job.work[0] = (stop, end)
+        last = not job.work
+        if not last:
+            self.chunked = job
+        return Chunk(job, tuple(segments), last, loaded)

@@ -1,0 +1,172 @@
+"""`penelope simulate` and `penelope analyze`: every loader through the CLI on real files, the
+JSON schema, sweeps, the ablation grid, and one-line errors with exit code 2."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from penelope.cli import main
+
+TRACES = (Path(__file__).parents[1] / ".." / "shared" / "traces" / "weka-claude-code").resolve()
+REQUIRED = ("ttft_mean", "ttft_p50", "ttft_p90", "jct_mean", "hit_rate", "recomputed_tokens", "requests")
+SIX = ["leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block", "private-head-node",
+       "private-head-block"]
+
+
+def simulate(tmp_path, *args):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--no-progress", "--json", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def check_results(results, requests):
+    for name, result in results.items():
+        for key in REQUIRED:
+            assert isinstance(result[key], (int, float)), (name, key)
+        assert result["requests"] + result["skipped_requests"] == requests
+        assert 0 <= result["hit_rate"] <= 1
+        assert result["ttft_p50"] <= result["ttft_p90"]
+        assert result["recomputed_tokens"] >= 0 and result["swap_loads"] == 0
+
+
+def test_weka_folder_json_schema_and_table(tmp_path, capsys):
+    payload = simulate(tmp_path, "--trace", str(TRACES), "--overflow", "skip", "--limit-sessions", "5",
+                       "--gpu-cache", "160K", "--think-time", "tool,cap:30")
+    assert set(payload) == {"config", "results"}
+    config = payload["config"]
+    assert config["workload"]["format"] == "weka" and config["workload"]["sessions"] == 5
+    assert config["workload"]["loader"]["sessions_skipped"] == {"over_max_context": 8}
+    assert config["workload"]["think_time"] == {"mode": "tool", "scale": 1.0, "cap": 30.0}
+    assert config["gpu_cache"] == 160 * 1024 and config["model"] == "qwen3-8b"
+    assert list(payload["results"]) == ["sglang", "penelope"]
+    check_results(payload["results"], config["workload"]["requests"])
+    sglang = payload["results"]["sglang"]
+    assert sglang["policy"] == "leaf-tail-node" and sglang["vs_sglang"]["ttft_mean"] == 0
+    penelope = payload["results"]["penelope"]
+    assert penelope["vs_sglang"]["ttft_mean"] == pytest.approx(penelope["ttft_mean"] / sglang["ttft_mean"] - 1)
+    out = capsys.readouterr()
+    assert "pressure = SGLang hit rate" in out.out and "TTFT vs sglang" in out.out
+    # Not a terminal: no progress bar.
+    assert out.err == ""
+
+
+def test_weka_single_file(tmp_path):
+    payload = simulate(tmp_path, "--trace", str(TRACES / "trace_0008.json"), "--policies", "penelope")
+    # The baseline is added when missing.
+    assert list(payload["results"]) == ["sglang", "penelope"]
+    check_results(payload["results"], payload["config"]["workload"]["requests"])
+
+
+def test_mooncake_jsonl(tmp_path):
+    lines = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 20, "hash_ids": [1, 2, 3], "session_id": "a"},
+        {"timestamp": 500, "input_length": 900, "output_length": 5, "hash_ids": [7, 8]},
+        {"timestamp": 4000, "input_length": 2100, "output_length": 9, "hash_ids": [1, 2, 3, 4, 5],
+         "session_id": "a"},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    payload = simulate(tmp_path, "--trace", str(path), "--gpu-cache", "16K")
+    assert payload["config"]["workload"]["format"] == "mooncake"
+    check_results(payload["results"], 3)
+    # The third request starts with the first one's 1,500 tokens, of which the cache kept the 23
+    # whole 64-token blocks: 1,472 of the 4,500 input tokens are reused.
+    assert payload["results"]["sglang"]["hit_rate"] == pytest.approx(1472 / 4500)
+
+
+def test_synthetic_ablation_grid_and_sweep(tmp_path, capsys):
+    payload = simulate(tmp_path, "--format", "synthetic", "--limit-sessions", "2", "--policies", "ablation",
+                       "--gpu-cache", "128K,160K", "--scheduler", "fcfs", "--plot", str(tmp_path / "p.png"))
+    assert set(payload) == {"config", "sweep"}
+    assert payload["config"]["policies"] == SIX and payload["config"]["scheduler"] == "fcfs"
+    assert [entry["gpu_cache"] for entry in payload["sweep"]] == [128 * 1024, 160 * 1024]
+    for entry in payload["sweep"]:
+        assert list(entry["results"]) == SIX
+        check_results(entry["results"], payload["config"]["workload"]["requests"])
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().out.count("pressure = SGLang hit rate") == 2
+
+
+def test_sliding_window_model(tmp_path):
+    payload = simulate(tmp_path, "--limit-sessions", "2", "--model", "gemma-3-27b", "--gpu-cache", "128K")
+    assert payload["config"]["model"] == "gemma-3-27b"
+    assert payload["config"]["time_model"]["sliding_window"] > 0
+    check_results(payload["results"], payload["config"]["workload"]["requests"])
+
+
+def test_analyze_weka_folder(tmp_path, capsys):
+    out = tmp_path / "analyze.json"
+    assert main(["analyze", str(TRACES), "--overflow", "skip", "--limit-sessions", "6", "--no-progress",
+                 "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["lengths"]["sessions"] == 6
+    assert 10_000 < payload["shared_prefix"]["all_sessions"] < 30_000
+    assert 0.5 < payload["unbounded"]["hit_rate"] < 1
+    # A cache can only lose hits against the unbounded one.
+    for result in payload["estimate"].values():
+        assert result["hit_rate"] <= payload["unbounded"]["hit_rate"]
+    assert payload["reuse_distance"]["reuses"] == payload["lengths"]["requests"] - 6
+    text = capsys.readouterr().out
+    assert "unbounded cache" in text and "estimated gain" in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate", "--policies", "lru"], "unknown eviction policy"),
+        (["simulate", "--cpu-cache", "64K"], "--cpu-cache needs the two-tier cache (issue 4)"),
+        (["simulate", "--gpu-cache", "lots"], "--gpu-cache"),
+        (["simulate", "--gpu-cache", "32"], "below one block"),
+        (["simulate", "--scheduler", "random"], "unknown scheduler"),
+        (["simulate", "--sessions", "0"], "--sessions"),
+        (["simulate", "--model", "nope"], "known models"),
+        (["simulate", "--gpu", "a100"], "unknown GPU"),
+        (["simulate", "--think-time", "sometimes"], "--think-time"),
+        (["simulate", "--trace", "/no/such/folder"], "no such trace"),
+        (["simulate", "--trace", str(TRACES / "LICENSE")], "cannot tell the format"),
+        (["simulate", "--format", "csv"], "unknown workload format"),
+        (["simulate", "--limit-sessions", "0"], "--limit-sessions"),
+        (["simulate", "--trace", str(TRACES), "--overflow", "wrap"], "overflow"),
+        (["analyze"], "needs a trace"),
+        (["analyze", str(TRACES), "--gpu-cache", "64K,128K"], "one capacity"),
+    ],
+)
+def test_errors_are_one_line_with_exit_code_2(args, message, capsys):
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("penelope: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_malformed_trace_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"block_size": 64, "requests": [{"in": 5}]}')
+    assert main(["simulate", "--trace", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "broken.json" in err and err.count("\n") == 1
+
+
+def test_policy_lists_and_think_time_options():
+    from penelope.sim.options import parse_think_time
+    from penelope.sim.run import parse_policies
+    from penelope.sim.workloads import ThinkTime
+
+    assert parse_policies("ablation") == SIX
+    # Aliases of one policy count once; the baseline is added in front when missing.
+    assert parse_policies("sglang,leaf-tail-node,penelope,private-head-block") == ["sglang", "penelope"]
+    assert parse_policies("leaf-head-block") == ["sglang", "leaf-head-block"]
+    assert parse_policies("penelope,ablation")[:2] == ["penelope", "leaf-tail-node"]
+    assert parse_think_time("recorded") == ThinkTime()
+    assert parse_think_time("tool,scale:0.5,cap:60") == ThinkTime("tool", 0.5, 60.0)
+    assert parse_think_time("cap:0") == ThinkTime("recorded", 1.0, 0.0)
+
+
+def test_calibration_file_drives_the_time_model(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"model": "qwen3-8b", "batch_overhead": 1.0, "source": "test"}))
+    payload = simulate(tmp_path, "--limit-sessions", "1", "--calibration", str(calibration), "--gpu", "h200")
+    assert payload["config"]["time_model"]["batch_overhead"] == 1.0 and payload["config"]["gpu"] == "h200"
+    # Every first token comes out of at least one prefill batch, which now takes over a second.
+    for result in payload["results"].values():
+        assert result["ttft_p50"] >= 1.0 and result["ttft_mean"] >= 1.0

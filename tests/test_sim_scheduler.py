@@ -1,0 +1,168 @@
+"""The simulator's scheduler: admission through the real cache, order, chunked prefill, release."""
+
+import numpy as np
+import pytest
+
+from penelope.cache import KVCache
+from penelope.errors import CacheFullError, UsageError
+from penelope.sim.scheduler import Job, Scheduler
+from penelope.sim.workloads import HUMAN, Request, request_tokens
+
+B = 64
+
+
+def make_job(keys, input_tokens, output_tokens=1, send_time=0.0, session="s", index=0, tail=10**6):
+    """A job whose prompt is blocks `keys` then `input_tokens - len(keys)*B` unique tail tokens."""
+    request = Request(
+        keys=np.asarray(keys, dtype=np.int64),
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        think_time=0.0,
+        arrival=None,
+        kind=HUMAN,
+        tail_key=tail + index + 1000 * len(session),
+        source=f"{session}[{index}]",
+    )
+    return Job(session, index, request, send_time, request_tokens(request, B))
+
+
+def cache_with_history(capacity, keys, policy="sglang"):
+    """A cache holding the whole blocks `keys`, unlocked."""
+    cache = KVCache(capacity, B, policy)
+    tokens = request_tokens(make_job(keys, len(keys) * B).request, B)
+    cache.insert(tokens, cache.alloc(len(tokens)))
+    return cache
+
+
+def test_admission_allocates_every_computed_token_and_the_reply_and_locks_the_path():
+    cache = cache_with_history(1024, [1, 2, 3])
+    scheduler = Scheduler(cache, "fcfs")
+    job = make_job([1, 2, 3, 4], 4 * B + 10, output_tokens=20)
+    scheduler.submit(job)
+    [chunk] = scheduler.form_prefill()
+    # Resident: 3 blocks; computed: block 4 and the 10 tail tokens; reply: 20.
+    assert chunk.segments == ((3 * B, 4 * B + 10),) and chunk.last
+    assert job.reused == 3 * B and job.recomputed == []
+    assert len(job.out_slots) == 20 and len(job.slots) == 4 * B + 10
+    assert cache.protected_size() == 3 * B and cache.evictable_size() == 0
+    assert cache.free_size() == 1024 - 3 * B - (B + 10) - 20
+    # Resident positions keep their cached slots, the rest are fresh and distinct.
+    assert np.array_equal(job.slots[: 3 * B], cache.match(job.tokens[: 3 * B]).spans[0].slots)
+    assert len(np.unique(np.concatenate([job.slots, job.out_slots]))) == 4 * B + 10 + 20
+    cache.check_invariants()
+
+
+def test_a_request_waits_until_its_kv_fits_and_blocks_those_behind_it():
+    cache = KVCache(8 * B, B, "sglang")
+    scheduler = Scheduler(cache, "fcfs")
+    running = make_job([10, 11, 12, 13], 4 * B + 5, output_tokens=B, session="a")
+    big = make_job([20, 21, 22], 3 * B + 5, output_tokens=B, send_time=1.0, session="bb")
+    small = make_job([30], B + 1, output_tokens=1, send_time=2.0, session="ccc")
+    scheduler.submit(running)
+    assert [c.job for c in scheduler.form_prefill()] == [running]
+    # running holds 4B+5 + B slots; 8B - 5B - 5 = 3B - 5 free < 3B + 5 + B for `big`.
+    scheduler.submit(big)
+    scheduler.submit(small)
+    assert scheduler.form_prefill() == []
+    # `small` would fit, but FCFS stops at the first request that does not (as SGLang does).
+    assert scheduler.waiting == [big, small]
+    # The running request's KV is locked: even a direct allocation cannot evict it.
+    with pytest.raises(CacheFullError):
+        cache.alloc(4 * B)
+    scheduler.release(running)
+    cache.check_invariants()
+    chunks = scheduler.form_prefill()
+    assert [c.job for c in chunks] == [big, small]
+    # Admitting `big` evicted the finished request's cached blocks through the cache.
+    assert cache.stats.evicted_tokens > 0
+    cache.check_invariants()
+
+
+def test_admission_evicts_unlocked_kv_but_never_a_running_path():
+    cache = cache_with_history(6 * B, [1, 2, 3, 4])
+    scheduler = Scheduler(cache, "fcfs")
+    first = make_job([1, 2], 2 * B + 3, output_tokens=1, session="a")
+    scheduler.submit(first)
+    scheduler.form_prefill()
+    # Blocks 1, 2 are locked by `first`; blocks 3, 4 are evictable.
+    assert cache.protected_size() == 2 * B and cache.evictable_size() == 2 * B
+    second = make_job([7, 8], 2 * B + 1, output_tokens=B - 1, session="bb")
+    scheduler.submit(second)
+    [chunk] = scheduler.form_prefill()
+    assert chunk.job is second
+    assert cache.match(first.tokens[:-1]).hit_tokens == 2 * B
+    assert cache.match(request_tokens(make_job([1, 2, 3, 4], 4 * B).request, B)).hit_tokens < 4 * B
+    cache.check_invariants()
+
+
+def test_lpm_admits_the_longest_resident_match_first_and_fcfs_the_earliest():
+    for order, expected in (("lpm", ["late", "early"]), ("fcfs", ["early", "late"])):
+        cache = cache_with_history(4096, [1, 2, 3, 4, 5])
+        scheduler = Scheduler(cache, order)
+        early = make_job([50, 51], 2 * B + 1, send_time=0.0, session="early")
+        late = make_job([1, 2, 3, 4, 5, 6], 6 * B + 1, send_time=1.0, session="late")
+        scheduler.submit(early)
+        scheduler.submit(late)
+        assert [c.job.session for c in scheduler.form_prefill()] == expected
+
+
+def test_chunked_prefill_cuts_one_request_and_continues_it_first():
+    cache = KVCache(4096, B, "sglang")
+    scheduler = Scheduler(cache, "fcfs", chunk_size=100)
+    a = make_job([1, 2], 2 * B + 2, session="a")  # 130 tokens
+    b = make_job([3], B + 6, send_time=0.5, session="bb")  # 70 tokens
+    scheduler.submit(a)
+    scheduler.submit(b)
+    [first] = scheduler.form_prefill()
+    assert first.job is a and first.segments == ((0, 100),) and not first.last
+    assert scheduler.chunked is a and scheduler.waiting == [b]
+    second = scheduler.form_prefill()
+    assert [(c.job, c.segments, c.last) for c in second] == [(a, ((100, 130),), True), (b, ((0, 70),), True)]
+    assert not scheduler.has_work()
+
+
+def test_phantom_holes_are_computed_first_and_count_against_the_budget():
+    # Penelope evicts the front of a private history: a hole the next request must refill.
+    cache = cache_with_history(8 * B, [1, 2, 3, 4, 5], policy="penelope")
+    cache.evict(2 * B)
+    holes = cache.match(request_tokens(make_job([1, 2, 3, 4, 5], 5 * B).request, B)).holes
+    assert holes and holes[0][0] == 0
+    scheduler = Scheduler(cache, "fcfs", chunk_size=B)
+    job = make_job([1, 2, 3, 4, 5, 6], 6 * B + 4)
+    scheduler.submit(job)
+    [chunk] = scheduler.form_prefill()
+    hole_tokens = sum(end - start for start, end in holes)
+    assert job.phantom == hole_tokens == 2 * B
+    assert chunk.segments == ((0, B),) and not chunk.last
+    assert job.recomputed[: len(holes)] == holes
+    [rest] = scheduler.form_prefill()
+    assert rest.segments == ((B, 2 * B),)
+    segments = []
+    while scheduler.has_work():
+        segments += [s for c in scheduler.form_prefill() for s in c.segments]
+    assert segments[-1][1] == 6 * B + 4 and segments[0][0] == 5 * B
+    cache.check_invariants()
+
+
+def test_release_inserts_the_prompt_frees_the_reply_and_unlocks():
+    cache = KVCache(1024, B, "sglang")
+    scheduler = Scheduler(cache, "fcfs")
+    job = make_job([1, 2, 3], 3 * B + 7, output_tokens=9)
+    tokens = job.tokens.copy()
+    scheduler.submit(job)
+    scheduler.form_prefill()
+    scheduler.release(job)
+    cache.check_invariants()
+    assert cache.protected_size() == 0 and cache.evictable_size() == 3 * B
+    assert cache.free_size() == 1024 - 3 * B
+    assert cache.match(tokens).hit_tokens == 3 * B
+
+
+def test_a_request_that_can_never_fit_is_refused():
+    scheduler = Scheduler(KVCache(4 * B, B, "sglang"))
+    with pytest.raises(UsageError, match="can never fit"):
+        scheduler.submit(make_job([1, 2, 3], 3 * B + 10, output_tokens=B))
+    with pytest.raises(UsageError, match="scheduler"):
+        Scheduler(KVCache(4 * B, B), order="random")
+    with pytest.raises(UsageError, match="chunk size"):
+        Scheduler(KVCache(4 * B, B), chunk_size=0)
