@@ -1,0 +1,50 @@
+"""`penelope reproduce`: the main job on the built-in defaults, in a few minutes on a laptop.
+
+Runs, one after the other, the cost curve of the paper's position experiment (`penelope cost`),
+and trace replays of the embedded synthetic Claude Code workload (`penelope simulate`): SGLang vs
+Penelope over a capacity sweep, then the six-policy ablation grid under pressure. Every step
+writes its JSON and plot into the output folder and prints its table."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "reproduce",
+        help="cost curve + trace replays on the built-in defaults (JSON and plots in --out)",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("--out", default="results", help="folder for the JSON files and plots")
+    parser.add_argument("--model", default="qwen3-8b", help="built-in model name or a config.json path")
+    parser.add_argument("--sweep", default="128K,192K,256K", help="GPU cache capacities of the replay")
+    parser.add_argument("--ablation-cache", default="192K", help="GPU cache capacity of the ablation grid")
+    parser.add_argument("--limit-sessions", metavar="N", help="replay only the first N sessions (quick look)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    from penelope.cli import main
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    replay = ["--no-progress"] if args.no_progress else []
+    if args.limit_sessions:
+        replay += ["--limit-sessions", str(args.limit_sessions)]
+    steps = [
+        ("cost curve", ["cost", "--model", args.model, "--json", str(out / "cost.json"),
+                        "--plot", str(out / "cost.png")]),
+        ("SGLang vs Penelope, capacity sweep", ["simulate", "--model", args.model, "--gpu-cache", args.sweep,
+                                                "--json", str(out / "simulate.json"),
+                                                "--plot", str(out / "simulate.png"), *replay]),
+        ("ablation grid", ["simulate", "--model", args.model, "--gpu-cache", args.ablation_cache,
+                           "--policies", "ablation", "--json", str(out / "ablation.json"),
+                           "--plot", str(out / "ablation.png"), *replay]),
+    ]
+    for number, (title, argv) in enumerate(steps, 1):
+        print(f"\n== {number}/{len(steps)} {title}: penelope {' '.join(argv)}", flush=True)
+        rc = main(argv)
+        if rc:
+            return rc
+    print(f"\nall results in {out}/")
+    return 0
