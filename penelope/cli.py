@@ -10,7 +10,7 @@ import sys
 from penelope.errors import UsageError
 
 # Subcommand name -> module in penelope.commands, in the order `--help` lists them.
-COMMANDS = ("reproduce", "cost", "simulate", "analyze")
+COMMANDS = ("reproduce", "cost", "simulate", "analyze", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

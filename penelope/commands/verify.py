@@ -1,0 +1,286 @@
+"""`penelope verify`: phantom batches give the outputs of a cache that never evicts, bit for bit.
+
+The same agent-like workload (`penelope.engine.session.AgentWorkload`: a shared system prompt,
+sessions whose histories grow turn by turn, served round-robin) runs twice through the reference
+engine in deterministic mode: once with a small cache under the chosen policy, so histories lose
+KV and phantoms refill the holes in the same batch as the real request, and once with a cache
+large enough never to evict. Compared:
+
+- the generated (greedy) tokens of every turn;
+- the log-probability of the next token at every position of every session (see
+  `penelope.engine.session`): each value the small-cache run computed, whether the position
+  was new, recomputed by a phantom or after a tail eviction, against the never-evicting run's.
+  Reused positions are covered by the value computed when their KV was written.
+
+Exit code 0 when both agree exactly, 1 when they differ, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from penelope.errors import UsageError
+
+ATTENTION_CHOICES = ("naive", "triton")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """One verification: workload shape, the small cache, and the engine.
+
+    `cache_tokens`: capacity of the evicting cache (tokens); `block_size`: its block; `policy`:
+    an eviction policy name; `attention`: "naive" or "triton"; `device`: where the tiny model runs.
+    """
+
+    sessions: int = 4
+    turns: int = 6
+    cache_tokens: int = 2048
+    policy: str = "penelope"
+    attention: str = "naive"
+    seed: int = 0
+    block_size: int = 64
+    system_tokens: int = 256
+    message_tokens: int = 128
+    reply_tokens: int = 8
+    model: str = "tiny"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise UsageError(f"unknown attention {self.attention!r}; choose from {list(ATTENTION_CHOICES)}")
+        for name in ("cache_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of `verify` (the first six fields are the JSON contract of `penelope verify`)."""
+
+    identical_tokens: bool
+    bitwise_identical_logprobs: bool
+    max_abs_logprob_diff: float
+    requests: int
+    phantom_tokens: int
+    holes_refilled: int
+    generated_tokens: int
+    positions_compared: int
+    values_compared: int
+    recomputed_values: int
+    missing_positions: int
+    evicted_tokens: int
+    hit_rate: float
+    reference_hit_rate: float
+    reference_cache_tokens: int
+
+    @property
+    def identical(self) -> bool:
+        return self.identical_tokens and self.bitwise_identical_logprobs
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_runs(small, reference) -> dict:
+    """Compare two `RunRecord`s of the same workload: tokens, then log-probs position by position.
+
+    The log-prob at position p of a session is the entry for its token p + 1 in a log-softmax
+    row computed at p, by this session or by any session whose history agrees up to p (the
+    shared system prompt is computed once and reused). Compared where the two runs' histories
+    agree (everywhere when the tokens are identical): every value of the small run, and every
+    recomputation in the reference, must equal the reference's first value bitwise. A position
+    before the last that a run never computed counts as missing (and not identical)."""
+    identical_tokens = all(a.replies == b.replies for a, b in zip(small.sessions, reference.sessions, strict=True))
+    positions = values = recomputed = missing = 0
+    max_diff, bitwise = 0.0, True
+    small_shared, reference_shared = _shared_prefixes(small), _shared_prefixes(reference)
+    for session, (ours, theirs) in enumerate(zip(small.sessions, reference.sessions, strict=True)):
+        common = _common_prefix(ours.history, theirs.history)
+        for position in range(common - 1):
+            target = int(theirs.history[position + 1])
+            expected = _values_at(reference, reference_shared[session], position, target)
+            got = _values_at(small, small_shared[session], position, target)
+            if not expected or not got:
+                missing += 1
+                bitwise = False
+                continue
+            positions += 1
+            recomputed += len(got) - 1
+            for value in (*got, *expected[1:]):
+                values += 1
+                if value != expected[0]:
+                    bitwise = False
+                    diff = abs(value - expected[0])
+                    max_diff = max(max_diff, diff if math.isfinite(diff) else math.inf)
+    return dict(identical_tokens=identical_tokens, bitwise_identical_logprobs=bitwise, max_abs_logprob_diff=max_diff,
+                positions_compared=positions, values_compared=values, recomputed_values=recomputed,
+                missing_positions=missing)
+
+
+def _shared_prefixes(record) -> list[list[int]]:
+    """`[s][t]`: length of the common prefix of session s's and session t's histories."""
+    histories = [state.history for state in record.sessions]
+    return [[_common_prefix(a, b) for b in histories] for a in histories]
+
+
+def _values_at(record, shared: list[int], position: int, target: int) -> list[float]:
+    """Log-probs of `target` in every row a run computed at `position` in a session whose history
+    agrees with this one's up to `position` (the row depends on tokens 0..position only)."""
+    return [float(row[target]) for other, length in zip(record.sessions, shared, strict=True)
+            if length > position for row in other.logprobs.get(position, ())]
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()[0]
+    return int(differ[0]) if len(differ) else n
+
+
+def reference_capacity(workload, block_size: int) -> int:
+    """A cache size that never evicts: every session's longest history, whole blocks, plus one block."""
+    blocks = -(-workload.max_sequence() // block_size)
+    return (workload.sessions * blocks + 1) * block_size
+
+
+def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
+    """Run the workload with the small cache and with a never-evicting one; compare.
+
+    `layout_fn`: how request plans become batches (default `penelope.phantom.build_batch`; tests
+    pass a broken one to show that the comparison catches it)."""
+    import torch
+
+    from penelope.cache import KVCache
+    from penelope.engine.config import get_engine_config
+    from penelope.engine.kvpool import KVPool
+    from penelope.engine.model import Qwen3Decoder
+    from penelope.engine.session import AgentWorkload, Server, run_workload
+    from penelope.engine.weights import random_weights
+    from penelope.errors import InvariantError
+    from penelope.phantom import build_batch
+
+    config = get_engine_config(options.model)
+    workload = AgentWorkload(options.sessions, options.turns, options.system_tokens, options.message_tokens,
+                             options.reply_tokens, config.vocab_size, options.seed)
+    longest = workload.max_sequence()
+    if longest > options.cache_tokens:
+        raise UsageError(f"a session grows to up to {longest} tokens, more than --cache-tokens {options.cache_tokens}")
+    if longest > config.max_position_embeddings:
+        raise UsageError(f"a session grows to up to {longest} tokens, beyond the model's "
+                         f"{config.max_position_embeddings} positions")
+    device = torch.device(options.device)
+    weights = random_weights(config, seed=options.seed, device=device)
+    model = Qwen3Decoder(config, weights, attention=options.attention, deterministic=True)
+
+    def run(capacity: int):
+        cache = KVCache(capacity, block_size=options.block_size, policy=options.policy)
+        server = Server(model, cache, KVPool(config, capacity, dtype=weights.dtype, device=device),
+                        layout_fn or build_batch)
+        record = run_workload(server, workload, logprobs=True)
+        cache.check_invariants()
+        return record, cache
+
+    small, small_cache = run(options.cache_tokens)
+    big = reference_capacity(workload, options.block_size)
+    reference, reference_cache = run(big)
+    if reference_cache.stats.evicted_tokens:
+        raise InvariantError(f"the reference cache of {big} tokens evicted {reference_cache.stats.evicted_tokens}")
+    compared = compare_runs(small, reference)
+    return VerifyReport(
+        requests=small.requests,
+        phantom_tokens=small.phantom_tokens,
+        holes_refilled=small.holes_refilled,
+        generated_tokens=sum(len(reply) for s in small.sessions for reply in s.replies),
+        evicted_tokens=small_cache.stats.evicted_tokens,
+        hit_rate=small_cache.stats.hit_rate,
+        reference_hit_rate=reference_cache.stats.hit_rate,
+        reference_cache_tokens=big,
+        **compared,
+    )
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "verify",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="check that phantom batches reproduce a never-evicting cache bit for bit",
+        description=(
+            "Run a multi-session agent-like workload on a tiny Qwen3 model in deterministic mode twice: "
+            "with a small cache under --policy (phantoms refill evicted holes in the same batch as the "
+            "real request) and with a cache that never evicts. Compare generated tokens and prompt "
+            "log-probabilities; exit 1 when they differ."
+        ),
+    )
+    defaults = VerifyOptions()
+    parser.add_argument("--sessions", type=int, default=defaults.sessions, help="concurrent agent sessions")
+    parser.add_argument("--turns", type=int, default=defaults.turns, help="requests per session")
+    parser.add_argument("--cache-tokens", type=int, default=defaults.cache_tokens,
+                        help="capacity of the evicting cache, in tokens")
+    parser.add_argument("--policy", default=defaults.policy, help="eviction policy of the small cache")
+    parser.add_argument("--attention", default=defaults.attention, choices=ATTENTION_CHOICES,
+                        help="engine attention backend (triton runs interpreted without a GPU)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the weights and the workload")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="cache block, in tokens")
+    parser.add_argument("--system-tokens", type=int, default=defaults.system_tokens,
+                        help="shared system prompt length")
+    parser.add_argument("--message-tokens", type=int, default=defaults.message_tokens,
+                        help="mean length of the message each turn appends")
+    parser.add_argument("--reply-tokens", type=int, default=defaults.reply_tokens,
+                        help="greedy tokens generated per turn")
+    parser.add_argument("--device", default=defaults.device, help="torch device of the tiny model (cpu, cuda)")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+
+
+def run(args) -> int:
+    import torch
+
+    from penelope.policy import policy_names
+
+    if args.policy not in policy_names(aliases=True):
+        raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available")
+    if args.attention == "triton" and not args.device.startswith("cuda"):
+        # Triton kernels on CPU tensors only run in the interpreter; it must be chosen before the
+        # kernel package is first imported (the engine imports it on the first triton call).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    options = VerifyOptions(
+        sessions=args.sessions, turns=args.turns, cache_tokens=args.cache_tokens, policy=args.policy,
+        attention=args.attention, seed=args.seed, block_size=args.block_size, system_tokens=args.system_tokens,
+        message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, device=args.device,
+    )
+    # The tiny model's one-row products gain nothing from intra-op threads; on a busy machine
+    # extra threads only wait for each other (measured: 10x slower with 2 threads on 2 shared cores).
+    torch.set_num_threads(1)
+    report = verify(options)
+    print(summary(options, report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report.as_dict(), handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if report.identical else 1
+
+
+def summary(options: VerifyOptions, report: VerifyReport) -> str:
+    """A few lines for people: what ran, what was compared, PASS or FAIL."""
+    tokens = "identical" if report.identical_tokens else "DIFFERENT"
+    logprobs = "bitwise identical" if report.bitwise_identical_logprobs else "DIFFERENT"
+    return "\n".join([
+        f"{options.sessions} sessions x {options.turns} turns, model {options.model}, {options.attention} attention, "
+        "deterministic",
+        f"small cache {options.cache_tokens} tokens ({options.policy}): {report.requests} requests, "
+        f"{report.evicted_tokens} tokens evicted, hit rate {report.hit_rate:.1%}, "
+        f"{report.holes_refilled} holes refilled by phantoms ({report.phantom_tokens} tokens)",
+        f"reference cache {report.reference_cache_tokens} tokens: never evicts, hit rate "
+        f"{report.reference_hit_rate:.1%}",
+        f"generated tokens: {tokens} ({report.generated_tokens} tokens)",
+        f"prompt log-probs: {logprobs} at {report.positions_compared} positions "
+        f"({report.values_compared} values, {report.recomputed_values} from recomputations; "
+        f"max |diff| {report.max_abs_logprob_diff:.3g}; {report.missing_positions} missing)",
+        "PASS" if report.identical else "FAIL: outputs differ",
+    ])

@@ -1,0 +1,216 @@
+"""A tiny serving loop over the reference engine: multi-session, multi-turn, phantoms in the batch.
+
+`Server.serve(prompt)` runs one request the way a Penelope-enabled engine would: match the prompt
+in the cache, plan the batch (`penelope.phantom`), run ONE forward holding a phantom segment per
+hole and the real request's new tokens, then decode greedily (each step a 1-token segment at the
+next position, with a slot from the cache), and finally insert the whole sequence back into the
+cache. Requests run one at a time; sessions are just token histories (`AgentWorkload`).
+
+Prompt log-probabilities (`logprobs=True`): for every position p the turn computes (phantom rows,
+the real request's rows, decode rows), the row `log_softmax(logits[p])` over the vocabulary; the
+prompt log-probability at p is its entry for token p + 1. A position whose KV is reused from the
+cache has no logits in this turn; its log-probability comes from the row computed when that KV
+was written (an earlier turn, possibly of another session sharing the prefix). So a whole run
+covers every position of every prompt, reused or recomputed, and a position recomputed later (as
+a phantom, or after a tail eviction) yields a second row that must equal the first bitwise in
+deterministic mode.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from penelope.cache import KVCache
+from penelope.engine.kvpool import KVPool
+from penelope.engine.model import EngineBatch, Qwen3Decoder
+from penelope.errors import UsageError
+from penelope.phantom import BatchLayout, RequestPlan, build_batch, finish_request, plan_request, release_request
+
+LayoutFn = Callable[[list[RequestPlan]], BatchLayout]
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One served request.
+
+    `generated`: the greedy tokens. `positions` int64 `[k]` and `logprobs` float32 `[k, vocab]`:
+    every position the request computed (phantom, prompt and decode rows) and its log-softmax
+    row (empty unless asked). `holes`: spans the phantoms refilled;
+    `hit_tokens`: prompt tokens whose KV was reused; `computed_tokens`: rows of the prefill.
+    """
+
+    prompt_len: int
+    generated: list[int]
+    positions: np.ndarray
+    logprobs: np.ndarray
+    holes: list[tuple[int, int]]
+    hit_tokens: int
+    computed_tokens: int
+
+    @property
+    def phantom_tokens(self) -> int:
+        return sum(end - start for start, end in self.holes)
+
+
+class Server:
+    """The engine, its KV pool and the cache manager that hands out the pool's slots.
+
+    `model` and `pool` must agree (same config, dtype, device); `cache.capacity` must equal
+    `pool.capacity`, since cache slots are pool rows. `layout_fn` turns request plans into a
+    batch (`penelope.phantom.build_batch`; tests pass broken ones to show verification fails).
+    """
+
+    def __init__(self, model: Qwen3Decoder, cache: KVCache, pool: KVPool, layout_fn: LayoutFn = build_batch):
+        if cache.capacity != pool.capacity:
+            raise UsageError(f"cache capacity {cache.capacity} differs from KV pool capacity {pool.capacity}")
+        self.model = model
+        self.cache = cache
+        self.pool = pool
+        self.layout_fn = layout_fn
+
+    def serve(self, prompt, max_new_tokens: int = 1, logprobs: bool = False) -> TurnResult:
+        """Prefill `prompt` (ints `[n]`) with phantoms for its holes, then decode `max_new_tokens`
+        (>= 1) greedy tokens. The sequence's KV (prompt + all generated tokens but the last,
+        which was never fed back) is inserted into the cache afterwards."""
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        if len(prompt) + max_new_tokens - 1 > self.model.config.max_position_embeddings:
+            raise UsageError(f"{len(prompt)} + {max_new_tokens} tokens exceed the model's "
+                             f"{self.model.config.max_position_embeddings} positions")
+        plan = plan_request(self.cache, prompt)
+        try:
+            result = self._run(plan, prompt, max_new_tokens, logprobs)
+        except BaseException:
+            release_request(self.cache, plan)
+            raise
+        finish_request(self.cache, plan)
+        return result
+
+    def _run(self, plan: RequestPlan, prompt: np.ndarray, max_new_tokens: int, logprobs: bool) -> TurnResult:
+        layout = self.layout_fn([plan])
+        computed_tokens = len(layout.tokens)
+        steps: list[tuple[np.ndarray, torch.Tensor]] = []
+        generated: list[int] = []
+        while True:
+            rows = np.arange(len(layout.tokens)) if logprobs else layout.output_rows
+            logits = self.model.forward(_engine_batch(layout), self.pool, logits_rows=torch.as_tensor(rows))
+            out = logits[int(np.searchsorted(rows, layout.output_rows[0]))]
+            generated.append(int(torch.argmax(out.float())))
+            if logprobs:
+                steps.append((layout.positions, logits))
+            if len(generated) == max_new_tokens:
+                break
+            plan.append(self.cache, generated[-1:])
+            layout = self.layout_fn([plan])
+        positions, rows = _logprob_rows(steps, self.model.config.vocab_size)
+        return TurnResult(len(prompt), generated, positions, rows, list(plan.holes), plan.hit_tokens,
+                          computed_tokens)
+
+
+def _engine_batch(layout: BatchLayout) -> EngineBatch:
+    return EngineBatch.build(torch.from_numpy(layout.tokens), torch.from_numpy(layout.req_to_token),
+                             torch.from_numpy(layout.segments))
+
+
+def _logprob_rows(steps, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions int64 `[k]` and log-softmax rows float32 `[k, vocab]` of every computed row, each
+    row normalized on its own (so a value does not depend on how many rows shared the call)."""
+    positions = [p for rows_positions, _ in steps for p in rows_positions.tolist()]
+    rows = np.empty((len(positions), vocab_size), dtype=np.float32)
+    index = 0
+    for _, logits in steps:
+        for row in range(logits.shape[0]):
+            rows[index] = torch.log_softmax(logits[row : row + 1].float(), dim=-1).cpu().numpy()[0]
+            index += 1
+    return np.asarray(positions, dtype=np.int64), rows
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    """Agent-like multi-turn sessions: a shared system prompt, then per turn a message (a user
+    request or a tool result) and the model's reply; each turn's prompt is the whole history.
+
+    Message lengths are drawn in [0.75, 1.25] x `message_tokens`; all tokens come from `seed`, so
+    two runs see the same messages (replies are whatever the model generates).
+    """
+
+    sessions: int = 4
+    turns: int = 6
+    system_tokens: int = 256
+    message_tokens: int = 128
+    reply_tokens: int = 8
+    vocab_size: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "turns", "message_tokens", "reply_tokens", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"workload {name} must be a positive integer, got {value!r}")
+        if isinstance(self.system_tokens, bool) or not isinstance(self.system_tokens, int) or self.system_tokens < 0:
+            raise UsageError(f"workload system_tokens must be a non-negative integer, got {self.system_tokens!r}")
+
+    def system_prompt(self) -> np.ndarray:
+        return np.random.default_rng([self.seed, 0]).integers(0, self.vocab_size, self.system_tokens)
+
+    def message(self, session: int, turn: int) -> np.ndarray:
+        """Tokens (int64 `[m]`) that session `session` appends before turn `turn`."""
+        rng = np.random.default_rng([self.seed, 1, session, turn])
+        low, high = max(1, (3 * self.message_tokens) // 4), (5 * self.message_tokens) // 4
+        return rng.integers(0, self.vocab_size, int(rng.integers(low, high + 1)))
+
+    def max_sequence(self) -> int:
+        """Upper bound of one session's final length (prompt of the last turn + its reply)."""
+        return self.system_tokens + self.turns * ((5 * self.message_tokens) // 4 + self.reply_tokens)
+
+
+@dataclass
+class SessionRecord:
+    """What a run produced for one session: its final history, its replies, and the log-softmax
+    row (float32 `[vocab]`) of every position it computed, in order of computation."""
+
+    history: np.ndarray
+    replies: list[list[int]] = field(default_factory=list)
+    logprobs: dict[int, list[np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass
+class RunRecord:
+    sessions: list[SessionRecord]
+    requests: int = 0
+    phantom_tokens: int = 0
+    holes_refilled: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+
+
+def turn_order(workload: AgentWorkload) -> Iterator[tuple[int, int]]:
+    """(session, turn) in round-robin order: every session's turn 0, then every turn 1, ...
+    The session served next is always the least recently used one: the worst case for LRU."""
+    for turn in range(workload.turns):
+        for session in range(workload.sessions):
+            yield session, turn
+
+
+def run_workload(server: Server, workload: AgentWorkload, logprobs: bool = True) -> RunRecord:
+    """Serve every turn of `workload` through `server`, recording replies and log-probs."""
+    system = workload.system_prompt()
+    record = RunRecord([SessionRecord(system.copy()) for _ in range(workload.sessions)])
+    for session, turn in turn_order(workload):
+        state = record.sessions[session]
+        prompt = np.concatenate([state.history, workload.message(session, turn)])
+        result = server.serve(prompt, workload.reply_tokens, logprobs=logprobs)
+        state.history = np.concatenate([prompt, np.asarray(result.generated, dtype=np.int64)])
+        state.replies.append(result.generated)
+        for position, row in zip(result.positions.tolist(), result.logprobs, strict=True):
+            state.logprobs.setdefault(position, []).append(row)
+        record.requests += 1
+        record.phantom_tokens += result.phantom_tokens
+        record.holes_refilled += len(result.holes)
+        record.hit_tokens += result.hit_tokens
+        record.computed_tokens += result.computed_tokens
+    return record
