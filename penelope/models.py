@@ -180,6 +180,22 @@ def shape_from_config(config: dict[str, Any], name: str = "custom") -> ModelShap
 KNOWN_MODELS = tuple(sorted(BUILTIN_CONFIGS))
 
 
+def read_config_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Read an HF `config.json` (or the one inside a checkpoint folder): (its path, its contents)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UsageError(f"model config file not found: {path}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path}: a model config must be a JSON object")
+    return path, config
+
+
 def get_model(spec: str | Path | dict[str, Any]) -> ModelShape:
     """A model shape from a built-in name (see `KNOWN_MODELS`), a config.json path, or a dict."""
     if isinstance(spec, dict):
@@ -189,16 +205,7 @@ def get_model(spec: str | Path | dict[str, Any]) -> ModelShape:
     if key in BUILTIN_CONFIGS:
         return shape_from_config(BUILTIN_CONFIGS[key], name=key)
     path = Path(text)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" or path.exists():
-        if not path.is_file():
-            raise UsageError(f"model config file not found: {path}")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        if not isinstance(config, dict):
-            raise UsageError(f"{path}: a model config must be a JSON object")
+    if path.is_dir() or path.suffix == ".json" or path.exists():
+        path, config = read_config_json(path)
         return shape_from_config(config, name=path.parent.name or path.stem)
     raise UsageError(f"unknown model {text!r}; known models: {', '.join(KNOWN_MODELS)}, or a config.json path")

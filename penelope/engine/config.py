@@ -7,12 +7,12 @@ layers, RoPE scaling, activations other than SiLU) are rejected rather than sile
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from penelope.errors import UsageError
+from penelope.models import read_config_json
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,7 @@ class EngineModelConfig:
             hf = source
             default_name = str(hf.get("_name_or_path") or hf.get("model_type") or "hf-config")
         else:
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise UsageError(f"no config.json at {path}")
-            try:
-                hf = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}: not valid JSON ({exc})") from None
-            if not isinstance(hf, dict):
-                raise UsageError(f"{path}: expected a JSON object")
+            path, hf = read_config_json(source)
             default_name = path.parent.name or "hf-config"
         return cls(**_fields_from_hf(hf, name or default_name))
 
