@@ -136,6 +136,7 @@ def _record(benchmark, setup: Setup, context: int, run: PhantomBatching, figures
     benchmark.extra_info.update(
         figures,
         unit="ratio one batch / two batches (1.0 = same cost)",
+        lower_is_better=["ratio"],
         context=context,
         hole_start=setup.hole_start,
         hole_tokens=run.tokens["phantom"],
