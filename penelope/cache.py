@@ -26,7 +26,7 @@ from penelope.slots import SlotAllocator
 from penelope.tree import NO_SLOT, BlockState, Node, RadixTree
 
 _EMPTY = np.empty(0, dtype=np.int64)
-_GPU, _MISSING = int(BlockState.GPU), int(BlockState.MISSING)
+_GPU, _CPU, _MISSING = int(BlockState.GPU), int(BlockState.CPU), int(BlockState.MISSING)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -272,6 +272,11 @@ class KVCache:
             refill, differs = passed[missing], differs & ~missing
         else:
             refill = _EMPTY
+        if any(node.n_gpu < node.n_resident for node in path):
+            # Blocks on the CPU tier keep their host copy: slots passed for them are duplicates,
+            # even where a GPU slot number happens to equal the host slot number.
+            on_cpu = np.concatenate([np.repeat(node.state == _CPU, bs) for node in path])[:walked]
+            differs |= on_cpu
         # Usually the caller passes back the slots match() gave it: no duplicates to gather.
         duplicates = passed[differs] if differs.any() else _EMPTY
         kept = np.concatenate([refill, slots[walked:full]])

@@ -11,6 +11,9 @@ the paper's ablation grid:
 - how much: the whole node, or only the blocks still needed.
 
 `private-head-block` is Penelope; `leaf-tail-node` is SGLang's RadixCache.
+
+The same two choices order demotions in the two-tier cache (`penelope.tiers`): `from_tail` and
+`first_node` tell where a walk from a victim starts and in which direction it takes blocks.
 """
 from __future__ import annotations
 
@@ -64,10 +67,18 @@ def is_candidate(tree: RadixTree, node: Node) -> bool:
 
 
 class EvictionPolicy:
-    """Chooses which blocks to free. Subclasses set `whole_node` and implement `_evict_leaf`."""
+    """Chooses which blocks to free. Subclasses set `whole_node` and implement `_evict_leaf`.
+
+    `from_tail`: the victim's blocks are taken from its end (else from the front of the chain
+    that starts at `first_node`)."""
 
     name: ClassVar[str] = ""
     whole_node: ClassVar[bool] = False
+    from_tail: ClassVar[bool] = False
+
+    def first_node(self, tree: RadixTree, leaf: Node) -> Node:
+        """Where eviction from victim `leaf` starts: the leaf itself unless a policy walks up."""
+        return leaf
 
     def evict(self, tree: RadixTree, n_blocks: int) -> Released:
         """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
@@ -92,6 +103,8 @@ class EvictionPolicy:
 class _TailPolicy(EvictionPolicy):
     """Delete blocks from the end of the leaf: nothing is left behind, no holes appear."""
 
+    from_tail = True
+
     def _evict_leaf(self, tree, leaf, need, out):
         parent = leaf.parent
         tree.free_tail(leaf, leaf.n_resident if self.whole_node else need, out)
@@ -100,10 +113,6 @@ class _TailPolicy(EvictionPolicy):
 
 class _HeadPolicy(EvictionPolicy):
     """Turn the front of a history into a hole, continuing forward along it toward the leaf."""
-
-    def first_node(self, tree: RadixTree, leaf: Node) -> Node:
-        """Where eviction starts: the leaf itself for leaf-head policies."""
-        return leaf
 
     def _evict_leaf(self, tree, leaf, need, out):
         chain = [self.first_node(tree, leaf)]

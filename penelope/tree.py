@@ -6,8 +6,10 @@ history whose front was evicted keeps its tokens (MISSING) and its later blocks 
 Per-block numpy arrays rather than per-token objects keep metadata small and let a second tier
 (blocks on CPU) reuse the same arrays.
 
-The tree keeps the GPU accounting (`evictable_tokens`, `protected_tokens`) up to date in every
-primitive; a node counts as locked while `lock_ref > 0` (locks are held on whole root paths).
+The tree keeps the accounting of both tiers up to date in every primitive: GPU tokens
+(`evictable_tokens`, `protected_tokens`) and CPU tokens (`cpu_evictable_tokens`,
+`cpu_protected_tokens`, always 0 in a GPU-only cache); a node counts as locked while
+`lock_ref > 0` (locks are held on whole root paths).
 Recency is a logical clock bumped once per access: all nodes stamped with one value lie on one
 root path, so two leaves never share a stamp.
 """
@@ -152,6 +154,8 @@ class RadixTree:
         self.epoch = 0
         self.evictable_tokens = 0
         self.protected_tokens = 0
+        self.cpu_evictable_tokens = 0
+        self.cpu_protected_tokens = 0
         self.n_nodes = 0
         self.leaves: set[Node] = set()
         self.hasher = PrefixHasher(block_size)
@@ -239,6 +243,25 @@ class RadixTree:
         node.n_resident += len(blocks)
         self._count(node, len(blocks) * bs)
 
+    def move(self, node: Node, blocks: np.ndarray, state: BlockState, slots: np.ndarray) -> np.ndarray:
+        """Move resident `blocks` of `node` to tier `state` (GPU or CPU) with new token `slots`
+        ([len(blocks) * block_size]); returns their old slots (int64). Nothing is deleted, but
+        matches made before are stale: their slots moved."""
+        if not len(blocks):
+            return np.empty(0, dtype=np.int64)
+        bs = self.block_size
+        states = node.state[blocks]
+        assert state in (BlockState.GPU, BlockState.CPU) and not (states == _MISSING).any(), (node, blocks)
+        rows = node.slots.reshape(-1, bs)
+        old = rows[blocks].ravel().astype(np.int64)
+        rows[blocks] = slots.reshape(-1, bs)
+        node.state[blocks] = int(state)
+        gained = (len(blocks) if state == BlockState.GPU else 0) - int(np.count_nonzero(states == _GPU))
+        node.n_gpu += gained
+        self._count(node, gained * bs, -gained * bs)
+        self.epoch += 1
+        return old
+
     def free_front(self, node: Node, k: int, out: Released) -> None:
         """Mark the first k resident blocks of `node` MISSING and report their slots."""
         self._release(node, np.flatnonzero(node.state != _MISSING)[:k], out)
@@ -299,6 +322,9 @@ class RadixTree:
                 moved = node.n_gpu * self.block_size * delta
                 self.evictable_tokens -= moved
                 self.protected_tokens += moved
+                moved = (node.n_resident - node.n_gpu) * self.block_size * delta
+                self.cpu_evictable_tokens -= moved
+                self.cpu_protected_tokens += moved
             node = node.parent
 
     def nodes(self):
@@ -308,6 +334,12 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def slots_in(self, state: BlockState) -> np.ndarray:
+        """Token slots (int64) of every block in `state` (GPU or CPU), in tree order."""
+        parts = [node.slots.reshape(-1, self.block_size)[node.state == int(state)].ravel()
+                 for node in self.nodes()]
+        return np.concatenate(parts, dtype=np.int64) if parts else np.empty(0, dtype=np.int64)
 
     def path_to_root(self, node: Node) -> list[Node]:
         path = []
@@ -320,7 +352,7 @@ class RadixTree:
         """Raise InvariantError on any inconsistency; `locks` maps node id to the number of
         live lock handles whose root path holds it. Returns the GPU slots the tree holds."""
         bs, bb = self.block_size, self._block_bytes
-        evictable = protected = count = 0
+        evictable = protected = cpu_evictable = cpu_protected = count = 0
         gpu_slots = []
         leaf_stamps = []
         for node in self.nodes():
@@ -349,28 +381,35 @@ class RadixTree:
                 leaf_stamps.append(node.last_access)
                 _require(node.lock_ref > 0 or node.state[-1] != _MISSING,
                          "unlocked leaf ends in MISSING blocks (should be pruned)", node)
-            tokens = node.n_gpu * bs
+            tokens, cpu_tokens = node.n_gpu * bs, (node.n_resident - node.n_gpu) * bs
             if node.lock_ref:
                 protected += tokens
+                cpu_protected += cpu_tokens
             else:
                 evictable += tokens
+                cpu_evictable += cpu_tokens
             gpu_slots.append(rows[node.state == _GPU].ravel())
         _require(count == self.n_nodes and all(leaf.alive for leaf in self.leaves), "node count", None)
         _require(len(set(leaf_stamps)) == len(leaf_stamps), "two leaves share a recency stamp", None)
         _require((evictable, protected) == (self.evictable_tokens, self.protected_tokens),
                  f"accounting: counted evictable {evictable}, protected {protected}, "
                  f"kept {self.evictable_tokens}, {self.protected_tokens}", None)
+        _require((cpu_evictable, cpu_protected) == (self.cpu_evictable_tokens, self.cpu_protected_tokens),
+                 f"CPU accounting: counted evictable {cpu_evictable}, protected {cpu_protected}, "
+                 f"kept {self.cpu_evictable_tokens}, {self.cpu_protected_tokens}", None)
         return np.concatenate(gpu_slots, dtype=np.int64) if gpu_slots else np.empty(0, dtype=np.int64)
 
     def _take_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
 
-    def _count(self, node: Node, gpu_tokens: int) -> None:
+    def _count(self, node: Node, gpu_tokens: int, cpu_tokens: int = 0) -> None:
         if node.lock_ref:
             self.protected_tokens += gpu_tokens
+            self.cpu_protected_tokens += cpu_tokens
         else:
             self.evictable_tokens += gpu_tokens
+            self.cpu_evictable_tokens += cpu_tokens
 
     def _release(self, node: Node, blocks: np.ndarray, out: Released) -> None:
         """Mark resident `blocks` of `node` MISSING and report their slots."""
@@ -385,6 +424,7 @@ class RadixTree:
             self._count(node, -len(gpu) * bs)
         if len(cpu):
             out.cpu_slots.append(rows[cpu].ravel())
+            self._count(node, 0, -len(cpu) * bs)
         out.blocks += len(blocks)
         node.state[blocks] = _MISSING
         rows[blocks] = NO_SLOT

@@ -115,7 +115,8 @@ def test_analyze_weka_folder(tmp_path, capsys):
     "args, message",
     [
         (["simulate", "--policies", "lru"], "unknown eviction policy"),
-        (["simulate", "--cpu-cache", "64K"], "--cpu-cache needs the two-tier cache (issue 4)"),
+        (["simulate", "--cpu-cache", "32"], "--cpu-cache 32 is below one block"),
+        (["simulate", "--cpu-cache", "64K", "--swap-buffer", "32"], "--swap-buffer 32 is smaller than one block"),
         (["simulate", "--gpu-cache", "lots"], "--gpu-cache"),
         (["simulate", "--gpu-cache", "32"], "below one block"),
         (["simulate", "--scheduler", "random"], "unknown scheduler"),

@@ -39,7 +39,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--cpu-cache",
         default="0",
-        help="CPU tier in tokens (0: GPU only; a CPU tier needs the two-tier cache, not built yet)",
+        help="CPU tier in tokens (0: GPU only); sglang then runs HiCache-like, the other policies the unified "
+        "two-tier cache",
+    )
+    parser.add_argument(
+        "--swap-buffer", default="1K", help="two-tier: host tokens reserved for loads when both tiers are full"
     )
     parser.add_argument("--sessions", type=int, default=4, help="sessions active at once (closed loop)")
     parser.add_argument(
@@ -110,7 +114,6 @@ def prepare(args) -> dict:
     the time and cost models, the GPU capacities (the model's default when none is given) and a
     factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
     from penelope.costmodel import CostModel
-    from penelope.errors import UsageError
     from penelope.models import get_model
     from penelope.sim.options import load_from_args
     from penelope.sim.run import SimConfig, default_gpu_cache
@@ -124,12 +127,14 @@ def prepare(args) -> dict:
         time_model = TimeModel.estimate(shape, args.gpu)
     capacities = parse_size_list(args.gpu_cache, "--gpu-cache") if args.gpu_cache else []
     cpu_cache = parse_size(args.cpu_cache, "--cpu-cache", allow_zero=True)
+    swap_buffer = parse_size(getattr(args, "swap_buffer", "1K"), "--swap-buffer")
     chunk_size = parse_size(args.chunk_size, "--chunk-size")
 
     def make_config(capacity: int) -> SimConfig:
         return SimConfig(
             gpu_cache=capacity,
             cpu_cache=cpu_cache,
+            swap_buffer=swap_buffer,
             sessions=args.sessions,
             scheduler=args.scheduler,
             chunk_size=chunk_size,
@@ -139,8 +144,6 @@ def prepare(args) -> dict:
     # Validate every option before the (slow) workload load and replays.
     for capacity in capacities:
         make_config(capacity)
-    if cpu_cache:
-        raise UsageError("--cpu-cache needs the two-tier cache (issue 4)")
     workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
     config = {
         "workload": description,
@@ -149,6 +152,7 @@ def prepare(args) -> dict:
         "num_gpus": time_model.num_gpus,
         "calibration": args.calibration,
         "cpu_cache": cpu_cache,
+        "swap_buffer": swap_buffer if cpu_cache else None,
         "sessions": args.sessions,
         "scheduler": args.scheduler,
         "chunk_size": chunk_size,

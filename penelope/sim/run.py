@@ -4,6 +4,12 @@ Every policy replays the same workload from an empty cache with the same serving
 their differences come from eviction alone. `ablation` names the paper's six-policy grid
 (where: leaf tail, leaf head, private-history head; how much: whole node, needed blocks);
 `leaf-tail-node` is SGLang's RadixCache and the baseline of every comparison.
+
+With a CPU tier (`cpu_cache` > 0) every policy but the baseline runs on the unified two-tier cache
+(`penelope.tiers.TwoTierCache`: one eviction order over GPU + CPU, loads through a swap buffer
+when both tiers are full), and the baseline on the HiCache-like cache (`penelope.hicache`: SGLang
+0.5.23's hierarchical cache, each tier evicting by its own LRU). Both report CPU hits to the
+longest-prefix-first scheduler, as SGLang's scheduler counts host hits.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 from penelope.cache import CacheStats, KVCache
 from penelope.costmodel import CostModel
 from penelope.errors import UsageError
+from penelope.hicache import HiCacheLikeCache
 from penelope.models import ModelShape, get_model
 from penelope.policy import get_policy, policy_names
 from penelope.sim.metrics import Summary, changes_against, summarize
@@ -21,6 +28,7 @@ from penelope.sim.replay import Replay, ReplayResult
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
 from penelope.sim.timemodel import DEFAULT_GPU_CACHE, PAPER_GPU_CACHE, TimeModel
 from penelope.sim.workloads import Workload
+from penelope.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
 
 BASELINE = "leaf-tail-node"
 BASELINE_ALIAS = "sglang"
@@ -64,7 +72,8 @@ def default_gpu_cache(shape: ModelShape) -> int:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How the server is simulated. Sizes in tokens; `cpu_cache` 0 means GPU only."""
+    """How the server is simulated. Sizes in tokens; `cpu_cache` 0 means GPU only; `swap_buffer`:
+    host rows reserved for loads when both tiers are full (two-tier cache, not in `cpu_cache`)."""
 
     gpu_cache: int
     cpu_cache: int = 0
@@ -72,6 +81,7 @@ class SimConfig:
     scheduler: str = "lpm"
     chunk_size: int = DEFAULT_CHUNK_SIZE
     block_size: int = 64
+    swap_buffer: int = DEFAULT_SWAP_BUFFER
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -80,6 +90,10 @@ class SimConfig:
             raise UsageError(f"--gpu-cache {self.gpu_cache} is below one block of {self.block_size} tokens")
         if self.cpu_cache < 0:
             raise UsageError(f"--cpu-cache must be non-negative, got {self.cpu_cache}")
+        if 0 < self.cpu_cache < self.block_size:
+            raise UsageError(f"--cpu-cache {self.cpu_cache} is below one block of {self.block_size} tokens")
+        if self.swap_buffer < self.block_size:
+            raise UsageError(f"--swap-buffer {self.swap_buffer} is smaller than one block of {self.block_size} tokens")
         if self.sessions < 1:
             raise UsageError(f"--sessions must be at least 1, got {self.sessions}")
         if self.scheduler not in ORDERS:
@@ -89,10 +103,15 @@ class SimConfig:
 
 
 def make_cache(policy: str, config: SimConfig, cost_model: CostModel) -> KVCache:
-    """A fresh cache for one replay. A CPU tier needs the two-tier cache, which is not built yet."""
-    if config.cpu_cache:
-        raise UsageError("--cpu-cache needs the two-tier cache (issue 4)")
-    return KVCache(config.gpu_cache, config.block_size, policy, cost_model=cost_model)
+    """A fresh cache for one replay: GPU-only, or with a CPU tier the unified two-tier cache (the
+    HiCache-like cache for the baseline). The simulator only counts moves, so no plans are kept."""
+    if not config.cpu_cache:
+        return KVCache(config.gpu_cache, config.block_size, policy, cost_model=cost_model)
+    if get_policy(policy).name == BASELINE:
+        return HiCacheLikeCache(config.gpu_cache, config.cpu_cache, config.block_size, cost_model=cost_model,
+                                keep_plans=False)
+    return TwoTierCache(config.gpu_cache, config.cpu_cache, config.block_size, policy, config.swap_buffer,
+                        cost_model=cost_model, keep_plans=False)
 
 
 @dataclass
@@ -105,6 +124,7 @@ class PolicyResult:
     replay: ReplayResult
     cache_stats: CacheStats
     changes: dict[str, float] = field(default_factory=dict)
+    tiers: dict | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready figures: the summary (times in s, sizes in tokens), counters, and the change
@@ -121,6 +141,8 @@ class PolicyResult:
             wall_time=self.replay.wall_time,
             vs_sglang=dict(self.changes),
         )
+        if self.tiers is not None:
+            data["tiers"] = dict(self.tiers)
         return json_ready(data)
 
 
@@ -150,7 +172,9 @@ def run_policies(
             progress=progress,
         ).run()
         cache.check_invariants()
-        result = PolicyResult(name, cache.policy.name, summarize(outcome.records), outcome, cache.stats)
+        counters = getattr(cache, "counters", None)
+        result = PolicyResult(name, cache.policy.name, summarize(outcome.records), outcome, cache.stats,
+                              tiers=counters.as_dict() if counters is not None else None)
         results[name] = result
         if result.canonical == BASELINE:
             baseline = name

@@ -185,11 +185,14 @@ class Scheduler:
         work = [*match.holes, (match.compute_from, n)]
         computed = sum(end - start for start, end in work)
         need = computed + job.output_tokens
+        # CPU spans (two-tier caches) are reused but need GPU slots: they are loaded first.
+        to_load = sum(len(span) for span in match.loads)
         # Locking the path only turns evictable tokens into protected ones: this bound is necessary.
-        if need > cache.free_size() + cache.evictable_size():
+        if need + to_load > cache.free_size() + cache.evictable_size():
             return None
         handle = cache.lock(match)
         try:
+            loads = cache.load(handle) if to_load else None
             fresh = cache.alloc(need)
         except CacheFullError:
             cache.unlock(handle)
@@ -199,16 +202,12 @@ class Scheduler:
         for start, end in work:
             slots[start:end] = fresh[used : used + end - start]
             used += end - start
-        loaded = 0
         for span in match.spans:
-            if span.state == BlockState.MISSING:
-                continue
+            if span.state == BlockState.GPU:
+                slots[span.start : span.end] = span.slots
+        # Loaded CPU spans have GPU slots now; their load time is charged to the first chunk.
+        for span in loads.spans if loads is not None else ():
             slots[span.start : span.end] = span.slots
-            # CPU spans are reused but must be loaded first; their time is charged to the first
-            # chunk. The GPU-only cache never reports them: a two-tier cache (issue 4) must also
-            # hand the loaded blocks GPU slots here before `insert` can take them.
-            if span.state == BlockState.CPU:
-                loaded += len(span)
         job.handle = handle
         job.slots = slots
         job.out_slots = fresh[used:]
@@ -216,8 +215,9 @@ class Scheduler:
         job.reused = match.hit_tokens
         job.recomputed = list(match.recomputed)
         job.phantom = sum(end - start for start, end in match.holes)
-        job.loaded = loaded
-        return loaded
+        job.loaded = to_load
+        job.swap_loads = int(loads is not None and loads.swapped_tokens > 0)
+        return to_load
 
     def _take(self, job: Job, budget: int, loaded: int = 0) -> Chunk:
         """Cut up to `budget` tokens from the front of `job`'s remaining work."""
