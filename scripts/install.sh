@@ -27,7 +27,7 @@ case "$what" in
     # The pure-Python packages SGLang's mem_cache and Triton kernels import on CPU.
     pip_install numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
       pyzmq tqdm IPython aiohttp transformers dill apache-tvm-ffi==0.1.11 sentencepiece \
-      compressed_tensors gguf openai==2.8.0 partial_json_parser
+      compressed_tensors gguf openai==2.8.0 partial_json_parser einops
     pip_install -e ".[test,bench,plot]"
     ;;
   *)

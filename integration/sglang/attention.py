@@ -1,0 +1,79 @@
+"""SGLang's Triton attention backend, with extend batches that hold phantoms run by Penelope's
+ragged-position kernel.
+
+``hooks.py`` attaches ``penelope_segments`` (one segment per request: row, first query, first
+absolute position, length) to every ForwardBatch that holds phantom requests. For those batches
+and eligible layers this backend stores the batch's K/V with SGLang's own store, then runs
+``penelope.kernels.ragged_prefill_attention`` over all segments in one launch, attending by
+absolute position through ``req_to_token``. Every other batch or layer (decode, no phantoms,
+MLA, sliding window, logit cap, sinks, custom masks, quantized or paged-layout KV, context
+parallelism) goes to ``TritonAttnBackend`` unchanged. Phantoms are correct with the stock path
+too; the ragged kernel saves the work that causality makes unnecessary.
+"""
+from __future__ import annotations
+
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from penelope.kernels import ragged_prefill_attention
+
+from .hooks import SEGMENTS
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def create_penelope_triton_backend(runner):
+    """Attention-backend factory registered as ``triton`` by the plugin."""
+    if runner.model_config.is_encoder_decoder:
+        raise ValueError("Cross attention is not supported in the triton attention backend. "
+                         "Please use `--attention-backend flashinfer`.")
+    return PenelopeTritonAttnBackend(runner)
+
+
+class PenelopeTritonAttnBackend(TritonAttnBackend):
+    """``TritonAttnBackend`` whose extend path runs phantom batches through the ragged kernel."""
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
+                       score_mod=None, aux_tensors=None):
+        segments = getattr(forward_batch, SEGMENTS, None)
+        if segments is None or not self.ragged_eligible(q, k, v, layer, forward_batch, save_kv_cache,
+                                                        sinks, score_mod, aux_tensors):
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
+                                          sinks=sinks, score_mod=score_mod, aux_tensors=aux_tensors)
+        loc = KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc)
+        self._set_kv_buffer(forward_batch, layer, loc, k, v)
+        heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+        out = getattr(forward_batch, "_attn_output", None)
+        out = torch.empty_like(q) if out is None else out
+        ragged_prefill_attention(
+            q.view(-1, heads, head_dim),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            segments,
+            sm_scale=layer.scaling,
+            out=out.view(-1, heads, head_dim),
+        )
+        return out
+
+    def ragged_eligible(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
+                        score_mod=None, aux_tensors=None) -> bool:
+        """Whether plain causal MHA/GQA over a token-indexed pool of q's dtype covers this layer,
+        i.e. whether the ragged kernel computes exactly what SGLang's path would."""
+        if k is None or v is None or not save_kv_cache:
+            return False
+        if sinks is not None or score_mod is not None or aux_tensors is not None:
+            return False
+        if self.use_mla or self.dcp_size > 1 or getattr(self, "dllm_attention", None) is not None:
+            return False
+        if getattr(forward_batch, "mha_one_shot", False) or self.forward_metadata.custom_mask is not None:
+            return False
+        if (layer.is_cross_attention or layer.attn_type != AttentionType.DECODER
+                or layer.qk_head_dim != layer.v_head_dim or layer.k_scale is not None
+                or (layer.logit_cap or 0) > 0 or (layer.sliding_window_size or -1) > -1
+                or (getattr(layer, "xai_temperature_len", -1) or -1) > 0):
+            return False
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return q.dtype in _DTYPES and k_buffer.dtype == q.dtype and k_buffer.dim() == 3

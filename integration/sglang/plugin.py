@@ -1,0 +1,170 @@
+"""SGLang plugin entry point: registers the radix-cache backend ``penelope`` and its scheduler hooks.
+
+SGLang 0.5.23 runs every function of the entry-point group ``sglang.srt.plugins`` early in each of
+its processes (``sglang.srt.plugins.load_plugins``), then applies the hooks they registered. The
+user then launches with ``--radix-cache-backend penelope``.
+
+Options come from ``--radix-eviction-policy-config`` (SGLang hands that JSON object to the cache
+factory as ``CacheInitParams.eviction_policy_config``) and from environment variables; a JSON key
+overrides the variable of the same option:
+
+| JSON key      | variable               | default    | meaning                                          |
+|---------------|------------------------|------------|--------------------------------------------------|
+| ``policy``    | ``PENELOPE_POLICY``    | penelope   | eviction policy name (``penelope.policy``)       |
+| ``block_size``| ``PENELOPE_BLOCK_SIZE``| 64 (*)     | tokens per cached block, a multiple of the page  |
+| ``swap_buffer``| ``PENELOPE_SWAP_BUFFER``| 1024     | CPU swap buffer in tokens (two-tier cache only)  |
+| ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
+| ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
+
+(*) 64 when it is a multiple of SGLang's page size, else the page size. ``attention`` is read when
+the plugin loads (before any cache exists), so only its variable counts.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from penelope.errors import UsageError
+from penelope.policy import policy_names
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "penelope"
+ATTENTION_MODES = ("ragged", "sglang")
+_DEFAULT_BLOCK = 64
+_ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
+        "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
+        "attention": "PENELOPE_ATTENTION"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class PenelopeOptions:
+    """Options of the ``penelope`` backend, validated on construction (UsageError, one line).
+
+    `block_size` None means "64, or the page size when 64 is not a multiple of it"; sizes are in
+    tokens. `swap_buffer` sizes the CPU swap buffer of the two-tier cache, which this integration
+    does not build yet: it is validated and kept for when it does.
+    """
+
+    policy: str = "penelope"
+    block_size: int | None = None
+    swap_buffer: int = 1024
+    phantoms: bool = True
+    attention: str = "ragged"
+
+    def __post_init__(self):
+        known = policy_names(aliases=True)
+        if self.policy not in known:
+            raise UsageError(f"penelope: unknown policy {self.policy!r} (known: {', '.join(known)})")
+        if self.block_size is not None:
+            _positive(self.block_size, "block_size")
+        _positive(self.swap_buffer, "swap_buffer")
+        if self.block_size is not None and self.swap_buffer < self.block_size:
+            raise UsageError(f"penelope: swap_buffer {self.swap_buffer} is smaller than one block "
+                             f"of {self.block_size} tokens")
+        if not isinstance(self.phantoms, bool):
+            raise UsageError(f"penelope: phantoms must be true or false, got {self.phantoms!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise UsageError(f"penelope: attention must be one of {', '.join(ATTENTION_MODES)}, "
+                             f"got {self.attention!r}")
+
+    def resolved_block_size(self, page_size: int) -> int:
+        """Block size in tokens for SGLang's `page_size`: blocks must hold whole pages, because
+        evicting a block hands its pages back to SGLang's allocator."""
+        if self.block_size is None:
+            return _DEFAULT_BLOCK if _DEFAULT_BLOCK % page_size == 0 else page_size
+        if self.block_size % page_size:
+            raise UsageError(f"penelope: block_size {self.block_size} is not a multiple of SGLang's "
+                             f"page size {page_size}")
+        return self.block_size
+
+
+def options_from(config: Mapping | None = None, environ: Mapping[str, str] | None = None) -> PenelopeOptions:
+    """Options from the ``--radix-eviction-policy-config`` object and the environment.
+
+    Raises UsageError naming the offending key or variable."""
+    environ = os.environ if environ is None else environ
+    values: dict = {}
+    for name, variable in _ENV.items():
+        if variable in environ:
+            values[name] = _parse_env(name, variable, environ[variable])
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise UsageError(f"penelope: --radix-eviction-policy-config must be a JSON object, got {config!r}")
+        known = [f.name for f in fields(PenelopeOptions)]
+        for key, value in config.items():
+            if key not in known:
+                raise UsageError(f"penelope: unknown key {key!r} in --radix-eviction-policy-config "
+                                 f"(known: {', '.join(known)})")
+            values[key] = value
+    return PenelopeOptions(**values)
+
+
+def register() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group: registers the ``penelope`` radix-cache
+    backend, the phantom-request hooks and, unless ``PENELOPE_ATTENTION=sglang``, the Triton
+    attention backend subclass that runs phantom batches through Penelope's ragged kernel.
+    Safe to call more than once in a process."""
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+
+    from . import hooks
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
+    hooks.register_hooks()
+    # Validated here so that a bad variable is reported when SGLang starts, not at the first batch.
+    if options_from(None).attention == "ragged":
+        from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+        from .attention import create_penelope_triton_backend
+
+        # Overwrites the "triton" entry: --attention-backend triton then builds the subclass, which
+        # hands every batch without phantoms to SGLang's own code.
+        register_attention_backend("triton")(create_penelope_triton_backend)
+
+
+def create_penelope_cache(ctx):
+    """Radix-cache factory (`TreeCacheBuildContext` -> `PenelopeRadixCache`)."""
+    from . import hooks
+    from .radix_cache import PenelopeRadixCache
+
+    unsupported = [flag for flag, on in (
+        ("a hybrid sliding-window model", ctx.is_hybrid_swa),
+        ("a model with mamba state", ctx.is_hybrid_ssm),
+        ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
+        ("--disable-radix-cache", ctx.disable_radix_cache),
+        ("a DSA model", ctx.is_dsa),
+    ) if on]
+    if unsupported:
+        raise UsageError(f"penelope: --radix-cache-backend penelope does not support {unsupported[0]}")
+    options = options_from(ctx.params.eviction_policy_config)
+    phantoms = options.phantoms and hooks.hooks_active()
+    if options.phantoms and not phantoms:
+        logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
+                       "load_plugins?); holes are recomputed with everything after them")
+    return PenelopeRadixCache(ctx.params, options, phantoms=phantoms)
+
+
+def _positive(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise UsageError(f"penelope: {name} must be a positive integer, got {value!r}")
+
+
+def _parse_env(name: str, variable: str, text: str):
+    text = text.strip()
+    if name in ("block_size", "swap_buffer"):
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(f"penelope: {variable} must be an integer, got {text!r}") from None
+    if name == "phantoms":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise UsageError(f"penelope: {variable} must be 1/0 or true/false, got {text!r}")
+    return text

@@ -1,0 +1,129 @@
+"""PenelopeTritonAttnBackend on CPU (Triton interpreter): a phantom batch built by the hooks on
+SGLang's real pools goes through SGLang's K/V store and Penelope's ragged kernel, and the real
+request's attention over its holes uses the K/V its phantom computed in the same layer."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_env import Serving, blocks, sglang_config
+
+from penelope.integration.sglang import hooks
+from penelope.integration.sglang.attention import PenelopeTritonAttnBackend, create_penelope_triton_backend
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def _config():
+    with sglang_config():
+        yield
+
+
+def layer(**changes):
+    fields = dict(layer_id=0, tp_q_head_num=HEADS, qk_head_dim=DIM, v_head_dim=DIM, scaling=DIM**-0.5,
+                  is_cross_attention=False, attn_type=AttentionType.DECODER, k_scale=None, v_scale=None,
+                  logit_cap=0.0, sliding_window_size=-1, xai_temperature_len=-1)
+    return SimpleNamespace(**{**fields, **changes})
+
+
+def backend(serving, pool):
+    """The subclass without a model runner: only what its extend path reads."""
+    attn = object.__new__(PenelopeTritonAttnBackend)
+    attn.token_to_kv_pool, attn.req_to_token_pool = pool, serving.req_pool
+    attn.use_mla, attn.dcp_size, attn.dllm_attention = False, 1, None
+    attn.forward_metadata = SimpleNamespace(swa_out_cache_loc=None, custom_mask=None)
+    return attn
+
+
+def phantom_batch():
+    """Session A (2 shared + 6 private blocks, page 1) lost 2 blocks at the front of its private
+    history; its next request is batched with its phantom and with an unrelated request."""
+    serving = Serving(size=64 * 40, page_size=1, max_context=1024)
+    system = blocks(1000, 2)
+    a = system + blocks(1, 6)
+    serving.prefill([a + [7]])
+    serving.prefill([system + blocks(5000, 6) + [8]])
+    serving.cache.evict(EvictParams(num_tokens=128))
+    reqs = serving.admit([a + blocks(9000, 1)[:40], system + [3, 4, 5]])
+    batch = serving.build_batch(reqs)
+    return serving, batch
+
+
+def test_phantom_batch_attends_by_absolute_position_through_the_pool():
+    serving, batch = phantom_batch()
+    assert [hooks.is_phantom(r) for r in batch.reqs] == [True, False, False]
+    pool = MHATokenToKVPool(size=64 * 40, page_size=1, dtype=torch.float32, head_num=KV_HEADS, head_dim=DIM,
+                            layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    gen = torch.Generator().manual_seed(0)
+    # Cached KV of the whole pool (the tree's blocks), then this batch's q/k/v.
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=gen))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=gen))
+    tokens = sum(batch.extend_lens)
+    q = torch.randn(tokens, HEADS * DIM, generator=gen)
+    k = torch.randn(tokens, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(tokens, KV_HEADS, DIM, generator=gen)
+    segments = hooks.extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens, "cpu")
+    forward_batch = SimpleNamespace(out_cache_loc=batch.out_cache_loc, out_cache_loc_is_physical=False,
+                                    positions=None, mha_one_shot=False, **{hooks.SEGMENTS: segments})
+    cached_k, cached_v = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
+
+    out = backend(serving, pool).forward_extend(q, k, v, layer(), forward_batch)
+
+    # The batch's K/V went into its slots through SGLang's store.
+    assert torch.equal(pool.k_buffer[0][batch.out_cache_loc], k)
+    # Reference, built without req_to_token: for the real request, positions [0,128) and
+    # [256,512) are cached, [128,256) come from the phantom's rows of k/v, the rest from its own.
+    phantom, real = batch.reqs[0], batch.reqs[1]
+    table = serving.req_pool.req_to_token
+    real_row = table[real.kv.req_pool_idx].long()
+    n = real.extend_end
+    full_k, full_v = cached_k[real_row[:n]].clone(), cached_v[real_row[:n]].clone()
+    full_k[128:256], full_v[128:256] = k[0:128], v[0:128]
+    full_k[512:n], full_v[512:n] = k[128:128 + n - 512], v[128:128 + n - 512]
+    assert not torch.equal(cached_k[real_row[128:256]], k[0:128])  # the hole was not in the pool before
+    queries = q[128:128 + n - 512].view(-1, HEADS, DIM)
+    expected = causal_attention(queries, full_k, full_v, first_position=512)
+    got = out[128:128 + n - 512].view(-1, HEADS, DIM)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The phantom itself attends over the cached prefix [0,128) and its own hole tokens.
+    prefix_k = torch.cat([cached_k[table[phantom.kv.req_pool_idx, :128].long()], k[0:128]])
+    prefix_v = torch.cat([cached_v[table[phantom.kv.req_pool_idx, :128].long()], v[0:128]])
+    expected = causal_attention(q[0:128].view(-1, HEADS, DIM), prefix_k, prefix_v, first_position=128)
+    torch.testing.assert_close(out[0:128].view(-1, HEADS, DIM), expected, rtol=1e-5, atol=1e-5)
+
+
+def causal_attention(q, k, v, first_position):
+    """q [m, Hq, D] at positions first_position.., k/v [n, Hkv, D] for positions 0..n-1 (fp32)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q, k) * DIM**-0.5
+    positions = torch.arange(first_position, first_position + q.shape[0])
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > positions[:, None], float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("case", ["no phantoms", "sliding window", "logit cap", "sinks"])
+def test_everything_else_goes_to_sglangs_path(case, monkeypatch):
+    calls = []
+    monkeypatch.setattr(TritonAttnBackend, "forward_extend", lambda self, *a, **k: calls.append(a) or "sglang")
+    serving = Serving(size=256, page_size=1)
+    pool = MHATokenToKVPool(size=256, page_size=1, dtype=torch.float32, head_num=KV_HEADS, head_dim=DIM,
+                            layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    segments = torch.zeros((1, 4), dtype=torch.int32)
+    forward_batch = SimpleNamespace(mha_one_shot=False, **({} if case == "no phantoms" else {hooks.SEGMENTS: segments}))
+    attn_layer = layer(sliding_window_size=128 if case == "sliding window" else -1,
+                       logit_cap=30.0 if case == "logit cap" else 0.0)
+    q, kv = torch.zeros(1, HEADS * DIM), torch.zeros(1, KV_HEADS, DIM)
+    sinks = torch.zeros(HEADS) if case == "sinks" else None
+    assert backend(serving, pool).forward_extend(q, kv, kv, attn_layer, forward_batch, sinks=sinks) == "sglang"
+    assert len(calls) == 1
+
+
+def test_factory_refuses_encoder_decoder_models():
+    runner = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=True))
+    with pytest.raises(ValueError, match="Cross attention"):
+        create_penelope_triton_backend(runner)

@@ -1,0 +1,291 @@
+"""PenelopeRadixCache on SGLang 0.5.23's real ReqToTokenPool, MHATokenToKVPool and token/paged
+allocators (CPU): accounting, holes, locks, and KV correctness checked with fingerprints."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang_env import Serving, blocks, sglang_config
+
+from penelope.errors import InvariantError, UsageError
+from penelope.integration.sglang import PenelopeOptions, PenelopeRadixCache, hooks
+from penelope.policy import get_policy
+from penelope.tree import BlockState
+
+PAGES = [1, 64]
+
+
+@pytest.fixture(autouse=True)
+def _config():
+    with sglang_config():
+        yield
+
+
+def assert_conserved(serving: Serving) -> None:
+    used, total = serving.accounting()
+    assert used == total, f"available + evictable + protected + private = {used} != {total}"
+
+
+def two_sessions(serving: Serving):
+    """A shared 2-block prompt, then two private 6-block histories: A first, then B."""
+    system = blocks(1000, 2)
+    a, b = system + blocks(1, 6), system + blocks(5000, 6)
+    serving.prefill([a + [7]])
+    serving.prefill([b + [8]])
+    return system, a, b
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_evicted_front_of_private_history_is_a_hole_and_tail_still_matches(page):
+    serving = Serving(size=64 * 40, page_size=page)
+    system, a, b = two_sessions(serving)
+    assert serving.cache.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 128
+    assert_conserved(serving)
+
+    [req] = serving.admit([a + blocks(9000, 1) + [9]])
+    ref = req.last_node
+    assert ref.holes == [(128, 256)]
+    assert req.prefix_len == len(a) == 512
+    states = [(s.start, s.end, s.state) for s in ref.match.spans]
+    assert states[:3] == [(0, 128, BlockState.GPU), (128, 256, BlockState.MISSING), (256, 512, BlockState.GPU)]
+    # The retained tail's KV is what the request reads: fingerprints of A's tokens at their positions.
+    tail = serving.cache.prefix_device_indices(req)[256:512]
+    keys = serving.kv_pool.k_buffer[0][tail, 0]
+    assert torch.equal(keys[:, 0], torch.tensor(a[256:512], dtype=torch.float32))
+    assert torch.equal(keys[:, 1], torch.arange(256, 512, dtype=torch.float32))
+
+    batch = serving.build_batch([req])
+    assert [(r.prefix_len, r.extend_end) for r in batch.reqs] == [(128, 256), (512, len(req.full_untruncated_fill_ids))]
+    assert_conserved(serving)
+    serving.forward(batch)
+    serving.check_row(req)
+    serving.finish(batch)
+    assert serving.phantom_tokens == 128
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+    serving.check_tree_kv()
+    [again] = serving.admit([a + blocks(9000, 1) + [1]])
+    assert again.last_node.holes == [] and again.prefix_len == 576
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_without_phantoms_a_hole_ends_the_match(page):
+    serving = Serving(size=64 * 40, page_size=page, phantoms=False)
+    system, a, b = two_sessions(serving)
+    serving.cache.evict(EvictParams(num_tokens=128))
+    [req] = serving.prefill([a + [9]])
+    assert req.last_node.holes == [] and req.cached_tokens == len(system)
+    assert serving.phantom_tokens == 0
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+    serving.check_tree_kv()
+
+
+def test_sglang_policy_deletes_the_tail_instead():
+    serving = Serving(size=64 * 40, page_size=64, policy="sglang")
+    system, a, b = two_sessions(serving)
+    # SGLang's RadixCache deletes the whole LRU leaf: all of A's private history goes.
+    assert serving.cache.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 6 * 64
+    [req] = serving.admit([a + [9]])
+    assert req.last_node.holes == [] and req.prefix_len == len(system)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_locked_path_is_never_evicted(page):
+    serving = Serving(size=64 * 40, page_size=page)
+    system, a, b = two_sessions(serving)
+    [req] = serving.admit([a + [9]])
+    locked = serving.cache.prefix_device_indices(req).clone()
+    freed = serving.cache.evict(EvictParams(num_tokens=10**6)).num_tokens_evicted
+    assert freed == 6 * 64  # B's private history only; the shared prompt is on A's locked path
+    assert serving.cache.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 0
+    assert serving.cache.protected_size() == len(a) and serving.cache.evictable_size() == 0
+    assert_conserved(serving)
+    serving.cache.check_invariants()  # includes: no tree page is on SGLang's free list
+    [same] = serving.admit([a + [9]])
+    assert torch.equal(serving.cache.prefix_device_indices(same), locked)
+    serving.cache.unlock(same.lock)
+    serving.cache.unlock(req.lock)
+    assert serving.cache.evict(EvictParams(num_tokens=10**6)).num_tokens_evicted == len(a)
+    assert serving.allocator.available_size() == serving.total
+
+
+def test_lock_after_an_unrelated_eviction_redoes_the_match_and_refuses_a_changed_prefix():
+    serving = Serving(size=64 * 40, page_size=64)
+    system, a, b = two_sessions(serving)
+    [req_b] = serving.admit([b + [9]])  # B is now the most recent history
+    serving.cache.unlock(req_b.lock)
+    req_a = serving.new_request(a + [9])
+    req_a.init_next_round_input(serving.cache)
+    serving.cache.touch_prefix(RadixKey(list(b)))  # B recent again: eviction takes A's front
+    serving.cache.evict(EvictParams(num_tokens=64))
+    with pytest.raises(InvariantError, match="evicted part of a matched prefix"):
+        serving.cache.lock(req_a.last_node)
+    req_b = serving.new_request(b + [9])
+    req_b.init_next_round_input(serving.cache)
+    serving.cache.evict(EvictParams(num_tokens=64))  # A's front again, not B's path
+    lock = serving.cache.lock(req_b.last_node)
+    assert serving.cache.protected_size() == len(b)
+    serving.cache.unlock(lock)
+    serving.cache.check_invariants()
+
+
+def test_two_holes_get_two_phantoms_and_later_phantoms_see_earlier_holes():
+    serving = Serving(size=64 * 40, page_size=64)
+    system, p, q, r, x = blocks(1000, 2), blocks(2000, 2), blocks(3000, 3), blocks(4000, 1), blocks(5000, 2)
+    for tokens in (system + p + r, system + p + q, system + x):
+        serving.prefill([tokens + [1]])
+    # Penelope frees R, then the front of P (R gone, P's history is private); leaf-head then
+    # frees the front of Q: two holes on one history.
+    for policy in ("penelope", "penelope", "leaf-head-block"):
+        serving.cache.cache.policy = get_policy(policy)
+        serving.cache.evict(EvictParams(num_tokens=64))
+    [req] = serving.admit([system + p + q + blocks(6000, 1) + [4]])
+    assert req.last_node.holes == [(128, 192), (256, 320)] and req.prefix_len == 448
+    batch = serving.build_batch([req])
+    assert [(x.prefix_len, x.extend_end) for x in batch.reqs][:2] == [(128, 192), (256, 320)]
+    serving.forward(batch)
+    for member in batch.reqs:
+        serving.check_row(member)  # the second phantom's prefix holds the first phantom's slots
+    serving.finish(batch)
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+    serving.check_tree_kv()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_request_ending_without_checkpoint_frees_its_refilled_holes(page):
+    serving = Serving(size=64 * 40, page_size=page)
+    system, a, b = two_sessions(serving)
+    serving.cache.evict(EvictParams(num_tokens=128))
+    [req] = serving.admit([a + [9]])
+    batch = serving.build_batch([req])
+    serving.forward(batch)
+    serving.finish(batch, keep_running=True)  # checkpoint: the holes become the tree's
+    assert_conserved(serving)
+    serving.release(req, checkpoint=False)
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+
+    serving.cache.evict(EvictParams(num_tokens=10**6))
+    serving.prefill([a + [7]])
+    serving.prefill([b + [8]])
+    serving.cache.evict(EvictParams(num_tokens=128))
+    [req] = serving.admit([a + [9]])
+    batch = serving.build_batch([req])
+    serving.forward(batch)
+    # Aborted before any checkpoint (SGLang: release_kv_cache(checkpoint=False)).
+    hooks.retire_phantoms(batch.reqs)
+    serving.release(req, checkpoint=False)
+    hooks.release_phantom_rows(batch.reqs, serving.req_pool)
+    serving.rows_held = []
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+    assert serving.req_pool.available_size() == 16
+
+
+def test_no_request_rows_for_phantoms_falls_back_to_recomputing_after_the_first_hole():
+    serving = Serving(size=64 * 40, page_size=64, rows=2)
+    system, a, b = two_sessions(serving)
+    serving.cache.evict(EvictParams(num_tokens=128))
+    [req] = serving.admit([a + [9]])
+    # Two free rows, two requests without rows and one phantom: no row for the phantom.
+    [other] = serving.admit([system + [5]])
+    batch = serving.build_batch([req, other])
+    assert len(batch.reqs) == 2 and req.prefix_len == 128
+    serving.forward(batch)
+    serving.check_row(req)
+    serving.finish(batch)
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+    serving.check_tree_kv()
+
+
+def test_insert_takes_every_slot_and_reports_what_was_cached():
+    serving = Serving(size=64 * 8, page_size=1)
+    cache, allocator = serving.cache, serving.allocator
+    tokens = blocks(1, 2) + [5, 6]
+    slots = allocator.alloc(len(tokens))
+    result = cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots))
+    assert (result.prefix_len, result.total_len) == (0, 128)
+    again = allocator.alloc(len(tokens))
+    assert cache.insert(InsertParams(key=RadixKey(list(tokens)), value=again)).prefix_len == 128
+    assert allocator.available_size() + cache.evictable_size() == serving.total
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
+    assert match.device_prefix_len == 128
+    cache.check_invariants()
+
+
+def test_bad_configuration_is_refused():
+    serving = Serving(size=64 * 8, page_size=64)
+    params = CacheInitParams(disable=False, req_to_token_pool=serving.req_pool,
+                             token_to_kv_pool_allocator=serving.allocator, page_size=64)
+    with pytest.raises(UsageError, match="multiple of SGLang's page size"):
+        PenelopeRadixCache(params, PenelopeOptions(block_size=96))
+    params.is_eagle = True
+    with pytest.raises(UsageError, match="EAGLE"):
+        PenelopeRadixCache(params)
+
+
+def test_namespaced_keys_are_never_cached():
+    serving = Serving(size=64 * 8, page_size=1)
+    key = RadixKey(list(blocks(1, 2)), extra_key="lora-a")
+    assert serving.cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len == 0
+
+
+@st.composite
+def workloads(draw):
+    """Pool, page, policy, phantoms, and a random source for 30 operations of agent sessions."""
+    page = draw(st.sampled_from(PAGES))
+    capacity = draw(st.integers(12, 20)) * 64
+    policy = draw(st.sampled_from(["penelope", "penelope", "sglang", "leaf-head-block"]))
+    return page, capacity, policy, draw(st.booleans()), draw(st.randoms(use_true_random=False))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_accounting_and_kv_hold_after_every_operation(workload):
+    """Agent-like sessions over a shared prompt, under memory pressure: after every operation
+    SGLang's conservation sum holds and every cached block holds its own tokens' KV; after every
+    prefill each request's row holds the right KV at every position (holes included)."""
+    page, capacity, policy, phantoms, rng = workload
+    serving = Serving(size=capacity, page_size=page, policy=policy, phantoms=phantoms)
+    system = blocks(100_000, 2)
+    sessions = [list(system) for _ in range(4)]
+    fresh = iter(range(1, 10**6))
+
+    def turn(i: int, n: int) -> list[int]:
+        # Histories grow turn by turn; past 9 blocks a session compacts to the prompt.
+        if len(sessions[i]) + n > 9 * 64:
+            sessions[i] = list(system)
+        sessions[i] = sessions[i] + [next(fresh) for _ in range(n)]
+        return list(sessions[i])
+
+    for _ in range(30):
+        # Skewed sessions: frequent ones keep their tails while rare ones lose their fronts.
+        op, i, n = rng.choice("tttpheb"), rng.choice([0, 0, 0, 1, 1, 2, 3]), rng.randint(1, 150)
+        if op == "t":
+            serving.prefill([turn(i, n)])
+        elif op == "p":
+            serving.prefill([turn(i, n), turn((i + 1) % 4, n // 2 + 1)])
+        elif op == "h" and not serving.running:
+            serving.prefill([turn(i, n)], keep_running=True)
+        elif op == "h":
+            serving.release(serving.running[0], checkpoint=rng.random() < 0.5)
+        elif op == "b":
+            # A sibling of session i's history: shares all but its last block.
+            base = sessions[i][: max(len(system), len(sessions[i]) - 64)]
+            serving.prefill([base + [next(fresh) for _ in range(n)]])
+        else:
+            serving.cache.evict(EvictParams(num_tokens=n * 4))
+        assert_conserved(serving)
+        serving.check_tree_kv()
+        if not serving.running:
+            serving.cache.check_invariants()
+    for req in list(serving.running):
+        serving.release(req)
+    assert_conserved(serving)
+    serving.cache.check_invariants()
+    assert serving.req_pool.available_size() == 16

@@ -1,0 +1,155 @@
+"""The SGLang plugin: options, the cache factory, and loading through SGLang's own
+``load_plugins()`` from an entry point of the ``sglang.srt.plugins`` group."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang_env import Serving, sglang_config
+
+from penelope.errors import UsageError
+from penelope.integration.sglang import PenelopeOptions, PenelopeRadixCache, options_from
+from penelope.integration.sglang.plugin import create_penelope_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_options_from_json_override_the_environment():
+    env = {"PENELOPE_POLICY": "leaf-head-block", "PENELOPE_BLOCK_SIZE": "128", "PENELOPE_PHANTOMS": "off"}
+    options = options_from({"policy": "sglang", "swap_buffer": 2048}, env)
+    assert options == PenelopeOptions(policy="sglang", block_size=128, swap_buffer=2048, phantoms=False)
+    assert options_from(None, {}) == PenelopeOptions()
+    assert PenelopeOptions().resolved_block_size(1) == 64
+    assert PenelopeOptions().resolved_block_size(128) == 128
+    assert PenelopeOptions(block_size=128).resolved_block_size(64) == 128
+
+
+@pytest.mark.parametrize(("config", "env", "message"), [
+    ({"polcy": "penelope"}, {}, "unknown key 'polcy'"),
+    ({"policy": "fifo"}, {}, "unknown policy 'fifo'"),
+    ({"block_size": 0}, {}, "block_size must be a positive integer"),
+    ({"block_size": 64, "swap_buffer": 32}, {}, "smaller than one block"),
+    ({"phantoms": "yes"}, {}, "phantoms must be true or false"),
+    (None, {"PENELOPE_BLOCK_SIZE": "big"}, "PENELOPE_BLOCK_SIZE must be an integer"),
+    (None, {"PENELOPE_PHANTOMS": "maybe"}, "PENELOPE_PHANTOMS must be"),
+    (None, {"PENELOPE_ATTENTION": "flash"}, "attention must be one of"),
+    ([1, 2], {}, "must be a JSON object"),
+])
+def test_bad_options_name_the_problem(config, env, message):
+    with pytest.raises(UsageError, match=message):
+        options_from(config, env)
+
+
+def _context(serving, config=None, **flags):
+    params = CacheInitParams(disable=False, req_to_token_pool=serving.req_pool,
+                             token_to_kv_pool_allocator=serving.allocator, page_size=serving.page_size,
+                             eviction_policy_config=config)
+    defaults = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+                    disable_radix_cache=False, is_dsa=False)
+    return SimpleNamespace(params=params, **{**defaults, **flags})
+
+
+def test_factory_builds_the_cache_from_the_policy_config(monkeypatch):
+    for variable in ("PENELOPE_POLICY", "PENELOPE_BLOCK_SIZE", "PENELOPE_PHANTOMS"):
+        monkeypatch.delenv(variable, raising=False)
+    with sglang_config():
+        serving = Serving(size=64 * 8, page_size=1)
+        cache = create_penelope_cache(_context(serving, {"policy": "sglang", "block_size": 32}))
+        assert isinstance(cache, PenelopeRadixCache)
+        assert (cache.cache.policy.name, cache.block_size) == ("leaf-tail-node", 32)
+        # Hooks are not applied in this process: holes are not reported for phantoms.
+        assert cache.phantoms is False
+        with pytest.raises(UsageError, match="--enable-hierarchical-cache"):
+            create_penelope_cache(_context(serving, enable_hierarchical_cache=True))
+        with pytest.raises(UsageError, match="sliding-window"):
+            create_penelope_cache(_context(serving, is_hybrid_swa=True))
+
+
+_LOAD = """
+import json
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sys
+sys.path.insert(0, "tests")
+from sglang_env import Serving, sglang_config
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache, registered_radix_cache_backends
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.runtime_context import get_context, get_memory
+from penelope.integration.sglang import attention, hooks
+
+override = get_context().override_server_args(
+    attention_backend="torch_native", device="cpu", radix_cache_backend="penelope",
+    radix_eviction_policy_config={"policy": "leaf-head-block", "block_size": 128})
+override.install()
+serving = Serving(size=64 * 8, page_size=64)  # for its pools
+params = CacheInitParams(disable=False, req_to_token_pool=serving.req_pool,
+                         token_to_kv_pool_allocator=serving.allocator, page_size=64,
+                         eviction_policy_config=get_memory().radix_eviction_policy_config)
+ctx = TreeCacheBuildContext(server_args=None, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+                            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+cache = create_tree_cache(ctx)
+
+# The applied hooks at work on SGLang's patched classes: a request whose history lost its front.
+from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang_env import blocks
+holed = Serving(size=64 * 40, page_size=64)
+a = blocks(1000, 2) + blocks(1, 6)
+holed.prefill([a + [7]])
+holed.prefill([blocks(1000, 2) + blocks(5000, 6) + [8]])
+holed.cache.evict(EvictParams(num_tokens=128))
+adder = PrefillAdder(64, holed.cache, holed.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 8192)
+req = holed.new_request(a + [9])
+req.init_next_round_input(holed.cache)
+adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+batch = ScheduleBatch.init_new(adder.can_run_list, holed.req_pool, holed.allocator, holed.cache,
+                               type("M", (), {"vocab_size": 50000, "is_encoder_decoder": False})(),
+                               False, SpeculativeAlgorithm.NONE)
+batch.prepare_for_extend()
+holed.forward(batch)
+holed.check_row(req)
+members = [(r.prefix_len, r.extend_end) for r in batch.reqs]
+batch.filter_batch()
+print(json.dumps({
+    "replay_tokens": adder.log_replay_tokens, "members": members, "after_filter": len(batch.reqs),
+    "backends": registered_radix_cache_backends(),
+    "hooks_active": hooks.hooks_active(),
+    "triton_is_penelope": ATTENTION_BACKENDS["triton"] is attention.create_penelope_triton_backend,
+    "init_new_wrapped": hasattr(ScheduleBatch.init_new, "__wrapped__"),
+    "cache": type(cache).__name__, "policy": cache.cache.policy.name, "block": cache.block_size,
+    "phantoms": cache.phantoms,
+}))
+"""
+
+
+def test_plugin_loads_through_sglang_load_plugins(tmp_path):
+    """A distribution on the path whose entry point is the one pyproject.toml declares; SGLang's
+    load_plugins() finds it, runs register() and applies the hooks; create_tree_cache then builds
+    our cache for --radix-cache-backend penelope, and a request with a hole goes through the
+    patched admission and batch building. In a fresh process: hooks patch SGLang classes."""
+    dist = tmp_path / "penelope_plugin_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: penelope-plugin-probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\npenelope = penelope.integration.sglang.plugin:register\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_PLUGINS", "PENELOPE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _LOAD], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "penelope" in report["backends"]
+    assert report["hooks_active"] and report["init_new_wrapped"] and report["triton_is_penelope"]
+    assert report == {**report, "cache": "PenelopeRadixCache", "policy": "leaf-head-block", "block": 128,
+                      "phantoms": True}
+    # Through the patched PrefillAdder, ScheduleBatch.init_new / prepare_for_extend / filter_batch.
+    assert report["replay_tokens"] == 128
+    assert report["members"] == [[128, 256], [512, 513]] and report["after_filter"] == 1
