@@ -194,6 +194,10 @@ class KVCache:
                            path[-1] if path else tree.root, len(tokens), matched,
                            sum(len(s) for s in resident), recomputed, tree.epoch, self)
 
+    def is_fresh(self, match: MatchResult) -> bool:
+        """Whether `match` still describes the tree: nothing was evicted since it was made."""
+        return match.owner is self and match.epoch == self.tree.epoch and match.handle.alive
+
     def lock(self, match: MatchResult) -> LockHandle:
         """Protect the matched root path from eviction until `unlock`; counts the request in
         `stats`. The match must be fresh (no eviction since it was made)."""
@@ -202,9 +206,9 @@ class KVCache:
         if match.n_tokens > self.capacity:
             raise UsageError(f"a sequence of {match.n_tokens} tokens can never fit in a cache of "
                              f"{self.capacity} tokens")
-        node = match.handle
-        if match.epoch != self.tree.epoch or not node.alive:
+        if not self.is_fresh(match):
             raise UsageError("stale match: the cache evicted since this match; match again, then lock")
+        node = match.handle
         self.tree.lock(node, +1)
         handle = LockHandle(node, self)
         self._locks.add(handle)

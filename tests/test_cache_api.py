@@ -262,7 +262,9 @@ def test_unlock_twice_and_foreign_handles():
 def test_a_match_is_stale_after_an_eviction():
     cache = loaded_cache()
     m = cache.match(tokens(200, 8))
+    assert cache.is_fresh(m)
     cache.evict(4)
+    assert not cache.is_fresh(m)
     with pytest.raises(UsageError, match="stale"):
         cache.lock(m)
     cache.lock(cache.match(tokens(200, 8)))

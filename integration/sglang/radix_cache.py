@@ -375,7 +375,7 @@ class PenelopeRadixCache(BasePrefixCache):
         """`ref`'s match, redone if an eviction made it stale; the redone match must report the
         same prefix with the same slots, or the request's prefix would point at freed KV."""
         match = ref.match
-        if match.epoch == self.cache.tree.epoch and match.handle.alive:
+        if self.cache.is_fresh(match):
             return match
         again = MatchRef(self.cache.match(ref.tokens), ref.tokens, with_holes=bool(ref.holes))
         if (again.prefix_len, again.holes) != (ref.prefix_len, ref.holes) or not np.array_equal(
