@@ -14,6 +14,7 @@ Run: ``python -m pytest microbench/bench_simulator.py --benchmark-json out.json`
 """
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,10 @@ from penelope.sim.timemodel import TimeModel
 from penelope.sim.weka import load_weka
 from penelope.sim.workloads import load_workload
 
-TRACES = (Path(__file__).parents[1] / ".." / "shared" / "traces" / "weka-claude-code").resolve()
+TRACES = Path(
+    os.environ.get("PENELOPE_WEKA_TRACES")
+    or Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "weka-claude-code"
+).resolve()
 WORKLOADS = {
     # name: (model, loader)
     "synthetic-15": ("qwen3-8b", lambda: _first(load_workload("synthetic"), 15)),

@@ -2,13 +2,13 @@
 JSON schema, sweeps, the ablation grid, and one-line errors with exit code 2."""
 
 import json
-from pathlib import Path
 
 import pytest
+from trace_paths import WEKA_TRACES
 
 from penelope.cli import main
 
-TRACES = (Path(__file__).parents[1] / ".." / "shared" / "traces" / "weka-claude-code").resolve()
+TRACES = WEKA_TRACES
 REQUIRED = ("ttft_mean", "ttft_p50", "ttft_p90", "jct_mean", "hit_rate", "recomputed_tokens", "requests")
 SIX = ["leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block", "private-head-node",
        "private-head-block"]

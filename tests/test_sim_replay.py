@@ -2,10 +2,10 @@
 TTFTs, session concurrency, and the real cache's effect on realistic traces."""
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
+from trace_paths import WEKA_TRACES
 
 from penelope.cache import KVCache
 from penelope.costmodel import CostModel
@@ -18,7 +18,7 @@ from penelope.sim.weka import load_weka
 from penelope.sim.workloads import HUMAN, TOOL, Request, Session, Workload, WorkloadSummary
 
 B = 64
-TRACES = (Path(__file__).parents[1] / ".." / "shared" / "traces" / "weka-claude-code").resolve()
+TRACES = WEKA_TRACES
 COST = CostModel(get_model("qwen3-8b"))  # every layer full attention: pairs(a, b) = sum of positions a..b-1
 OVERHEAD, PER_TOKEN, PER_PAIR, DECODE_STEP = 0.01, 1e-3, 1e-6, 0.011
 

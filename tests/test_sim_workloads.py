@@ -1,10 +1,10 @@
 """Workload loaders: WEKA traces (the real files in shared/), Mooncake JSONL, tokens, think times."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from trace_paths import WEKA_TRACES
 
 from penelope.errors import UsageError
 from penelope.sim.mooncake import load_mooncake
@@ -25,7 +25,7 @@ from penelope.sim.workloads import (
     workload_stats,
 )
 
-TRACES = (Path(__file__).parents[1] / ".." / "shared" / "traces" / "weka-claude-code").resolve()
+TRACES = WEKA_TRACES
 CONTEXT_128K = 128 * 1024
 
 

@@ -2,11 +2,11 @@
 loaded blocks' GPU slots reach the job), LPM counting CPU hits, and `penelope simulate --cpu-cache`
 end to end on real WEKA traces."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from test_sim_scheduler import B, make_job
+from trace_paths import WEKA_TRACES
 
 from penelope.cache import KVCache
 from penelope.cli import main
@@ -20,7 +20,7 @@ from penelope.sim.workloads import request_tokens
 from penelope.tiers import TwoTierCache
 from penelope.tree import BlockState
 
-TRACES = (Path(__file__).parents[1] / ".." / "shared" / "traces" / "weka-claude-code").resolve()
+TRACES = WEKA_TRACES
 
 
 def test_each_policy_gets_its_cache():
