@@ -10,15 +10,23 @@ request reads the hole's K/V written in the same layer. Phantom rows produce no 
 
 One request, in this order (the cache protocol of `penelope.cache`)::
 
-    plan = plan_request(cache, tokens)    # match, lock the path, allocate hole + new slots
+    plan = plan_request(cache, tokens)    # match, lock the path, load CPU spans, allocate hole + new slots
     layout = build_batch([plan])          # tokens, req_to_token, segments of one prefill
     ...forward; for each decode step:
     plan.append(cache, [token])           # one more position, its slot
     layout = build_batch([plan])          # a 1-token segment at the next position
     finish_request(cache, plan)           # insert the whole sequence, unlock
 
-`release_request` undoes a plan that will not finish (slots freed, path unlocked). This module is
-numpy only; the engine turns a `BatchLayout` into tensors.
+Two tiers (`penelope.tiers.TwoTierCache`, or any cache with `load` and `take_plans`): the matched
+path's CPU spans are loaded back by `plan_request` (`cache.load`), and loads and allocations may
+demote other KV to the CPU tier. The cache only decides; the copies are `TierPlan`s it queues.
+The caller must run every queued plan on its real pools, in order, after each call here that
+touches the cache (`plan_request` even when it raises, `append`, `finish_request`) and before the
+next forward, so the KV tensors always hold what the cache believes they hold.
+
+`release_request` undoes a plan that will not finish (slots freed, path unlocked; loads and
+demotions already made stand). This module is numpy only; the engine turns a `BatchLayout` into
+tensors and runs the tier plans.
 """
 from __future__ import annotations
 
@@ -27,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from penelope.cache import InsertResult, KVCache, LockHandle, Span
-from penelope.errors import UsageError
+from penelope.errors import InvariantError, UsageError
+from penelope.tiers import LoadResult
 from penelope.tree import BlockState
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -56,9 +65,13 @@ class RequestPlan:
       row.
     - `segments`: what the next forward computes: one phantom per hole (in position order), then
       the real segment; after `append`, only the appended positions.
-    - `holes` and `loads`: from the match (`loads`: CPU spans to bring back before the prefill;
-      the GPU-only cache never reports any). `compute_from`: first position the real request
-      computes (at most n - 1, so the last prompt token always yields logits).
+    - `holes`: from the match. `compute_from`: first position the real request computes (at
+      most n - 1, so the last prompt token always yields logits).
+    - `loads`: CPU spans still to bring back before the prefill (their slots are -1); the
+      GPU-only cache never reports any and `plan_request` loads them on a two-tier cache, so
+      this is empty in every plan it returns. `loaded`: the spans it brought back (GPU spans,
+      positions as in the match, with their new GPU slots); `loaded_tokens` of which
+      `swapped_tokens` came through the swap buffer.
     - `owned` int64: the slots this request allocated (holes, new and appended positions); they
       are the caller's until `finish_request` hands them to the cache.
     """
@@ -72,6 +85,9 @@ class RequestPlan:
     lock: LockHandle
     owned: np.ndarray = field(default_factory=lambda: _EMPTY)
     hit_tokens: int = 0
+    loaded: list[Span] = field(default_factory=list)
+    loaded_tokens: int = 0
+    swapped_tokens: int = 0
 
     @property
     def phantom_tokens(self) -> int:
@@ -95,13 +111,15 @@ class RequestPlan:
 
 
 def plan_request(cache: KVCache, tokens) -> RequestPlan:
-    """Match `tokens` (ints `[n]`, n >= 1), lock the matched path and allocate slots for the
-    holes and for the positions from `compute_from` on.
+    """Match `tokens` (ints `[n]`, n >= 1), lock the matched path, load its CPU spans back to the
+    GPU (two-tier caches) and allocate slots for the holes and for the positions from
+    `compute_from` on.
 
-    Allocation may evict other histories; the lock keeps this request's resident KV. When the
-    whole prompt is cached, the last token is still computed (its logits give the first output
-    token) into a slot of its own, which `finish_request` frees as a duplicate. Raises
-    `CacheFullError` (after unlocking) when the cache cannot free enough slots.
+    Loading and allocation may demote or evict other histories; the lock keeps this request's
+    KV. When the whole prompt is cached, the last token is still computed (its logits give the
+    first output token) into a slot of its own, which `finish_request` frees as a duplicate.
+    Raises `CacheFullError` (after unlocking) when the cache cannot free enough slots; a load
+    made before that stands, so its queued plans must still run.
     """
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
     n = len(tokens)
@@ -111,24 +129,42 @@ def plan_request(cache: KVCache, tokens) -> RequestPlan:
     handle = cache.lock(match)
     compute_from = min(match.compute_from, n - 1)
     slots = np.full(n, -1, dtype=np.int64)
-    # CPU spans (two-tier) hold host slots; their GPU slots come from the loader, so they stay -1.
     for span in match.spans:
         if span.state == BlockState.GPU:
             slots[span.start : span.end] = span.slots
     computed = [(start, end) for start, end in match.holes] + [(compute_from, n)]
     try:
+        # The tiers' protocol: load, then allocate. Loaded blocks are on the locked path, so the
+        # allocation's demotions never send them back.
+        loaded = _load(cache, handle, match.loads)
         owned = cache.alloc(sum(end - start for start, end in computed))
     except Exception:
         cache.unlock(handle)
         raise
+    for span in loaded.spans:
+        slots[span.start : span.end] = span.slots
     offset = 0
     for start, end in computed:
         slots[start:end] = owned[offset : offset + end - start]
         offset += end - start
     segments = [PlanSegment(start, end, phantom=True) for start, end in match.holes]
     segments.append(PlanSegment(compute_from, n, phantom=False))
-    return RequestPlan(tokens, slots, segments, list(match.holes), list(match.loads), compute_from, handle,
-                       owned, match.hit_tokens)
+    return RequestPlan(tokens, slots, segments, list(match.holes), [], compute_from, handle, owned,
+                       match.hit_tokens, loaded.spans, loaded.loaded_tokens, loaded.swapped_tokens)
+
+
+def _load(cache: KVCache, handle: LockHandle, loads: list[Span]) -> LoadResult:
+    """Bring the locked path's CPU spans to the GPU through `cache.load` (nothing to do without)."""
+    if not loads:
+        return LoadResult([], 0, 0)
+    load = getattr(cache, "load", None)
+    if load is None:
+        raise UsageError(f"the match has {len(loads)} CPU spans but {type(cache).__name__} cannot load them")
+    result = load(handle)
+    got = [(span.start, span.end) for span in result.spans]
+    if got != [(span.start, span.end) for span in loads]:
+        raise InvariantError(f"the cache loaded spans {got}, the match reported {[(s.start, s.end) for s in loads]}")
+    return result
 
 
 def finish_request(cache: KVCache, plan: RequestPlan) -> InsertResult:
@@ -180,8 +216,8 @@ class BatchLayout:
 def build_batch(plans: list[RequestPlan]) -> BatchLayout:
     """Lay out the next forward of `plans`: every plan's segments (phantoms, then the real one).
 
-    Raises UsageError when a plan still has CPU spans to load (no slot for them yet) or when a
-    plan's real segment is empty.
+    Raises UsageError when a plan still has CPU spans to load (no slot for them yet), when a
+    position has no slot, or when a plan's real segment is empty.
     """
     if not plans:
         raise UsageError("a batch needs at least one request plan")
@@ -192,7 +228,9 @@ def build_batch(plans: list[RequestPlan]) -> BatchLayout:
     for req_row, plan in enumerate(plans):
         if plan.loads:
             raise UsageError(f"request {req_row} has {len(plan.loads)} CPU spans to load first; "
-                             "this engine has no CPU tier")
+                             "load them (plan_request does) before building the batch")
+        if np.any(plan.slots < 0):
+            raise UsageError(f"request {req_row}: position {int(np.argmax(plan.slots < 0))} has no KV slot")
         table[req_row, : len(plan.slots)] = plan.slots
         real = [s for s in plan.segments if not s.phantom]
         if len(real) != 1 or not len(real[0]):

@@ -1,6 +1,7 @@
 """The serving loop (`penelope.engine.session`): multi-turn sessions through a small evicting cache
-give the tokens and log-probs of a plain reference that recomputes every sequence from scratch
-(no cache, no phantoms, one full prefill per generated token)."""
+(GPU only, or with a CPU tier whose moves run on the real pools) give the tokens and log-probs of a
+plain reference that recomputes every sequence from scratch (no cache, no phantoms, one full
+prefill per generated token)."""
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,8 @@ from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.engine.session import AgentWorkload, Server, run_workload, turn_order
 from penelope.engine.weights import random_weights
 from penelope.errors import UsageError
+from penelope.hicache import HiCacheLikeCache
+from penelope.tiers import TwoTierCache
 
 TINY = BUILTIN_ENGINE_CONFIGS["tiny"]
 
@@ -45,18 +48,34 @@ def reference_turn(model, prompt, new_tokens):
     return sequence[len(prompt) :], rows.numpy()
 
 
-def test_multi_turn_sessions_match_full_recomputation(model):
+def server_for(model, kind):
+    """A server over a 192-token GPU pool: GPU-only Penelope, the unified two-tier cache (a 32-token
+    CPU tier, one-block swap buffer), or the HiCache-like baseline (192-token CPU tier)."""
+    pool = KVPool(TINY, 192)
+    if kind == "gpu":
+        return Server(model, KVCache(192, block_size=16, policy="penelope"), pool)
+    if kind == "two-tier":
+        cache = TwoTierCache(192, 32, block_size=16, policy="penelope", swap_buffer=16)
+    else:
+        cache = HiCacheLikeCache(192, 192, block_size=16)
+    return Server(model, cache, pool, host_pool=pool.host_mirror(cache.host_rows), copy="naive")
+
+
+@pytest.mark.parametrize("kind", ["gpu", "two-tier", "hicache"])
+def test_multi_turn_sessions_match_full_recomputation(model, kind):
     workload = AgentWorkload(sessions=2, turns=3, system_tokens=32, message_tokens=40, reply_tokens=3,
                              vocab_size=TINY.vocab_size, seed=1)
-    cache = KVCache(192, block_size=16, policy="penelope")
-    server = Server(model, cache, KVPool(TINY, 192))
+    server = server_for(model, kind)
+    cache = server.cache
     histories = [workload.system_prompt() for _ in range(workload.sessions)]
-    phantoms = 0
+    phantoms = loaded = swapped = 0
     for session, turn in turn_order(workload):
         prompt = np.concatenate([histories[session], workload.message(session, turn)])
         result = server.serve(prompt, 3, logprobs=True)
         cache.check_invariants()
         generated, rows = reference_turn(model, prompt.tolist(), 3)
+        if kind != "gpu":
+            assert cache.take_plans() == []  # the server ran every plan the cache queued
         assert result.generated == generated
         assert result.prompt_len == len(prompt)
         # Every computed position: phantom rows, the new prompt rows, and the decode rows.
@@ -65,9 +84,20 @@ def test_multi_turn_sessions_match_full_recomputation(model):
         assert result.positions.tolist()[-2:] == [len(prompt), len(prompt) + 1]
         assert np.array_equal(result.logprobs, rows[result.positions])
         phantoms += result.phantom_tokens
+        loaded += result.loaded_tokens
+        swapped += result.swapped_tokens
         histories[session] = np.concatenate([prompt, generated])
-    assert phantoms > 0
     assert cache.stats.evicted_tokens > 0
+    if kind == "gpu":
+        assert phantoms > 0 and loaded == 0
+    elif kind == "two-tier":
+        # Every kind of move happened: phantoms refilled deleted KV, CPU spans came back, one
+        # load went through the swap buffer, and GPU blocks were demoted to make room.
+        assert phantoms > 0 and loaded > 0 and swapped > 0
+        assert cache.counters.demotions > 0 and cache.counters.swap_loads > 0
+        assert server.executor.counters.plans == cache.counters.plans
+    else:
+        assert loaded > 0 and cache.counters.backed_up_tokens > 0
 
 
 def test_run_workload_records_histories_replies_and_counters(model):
@@ -108,3 +138,22 @@ def test_server_errors_release_the_request(model):
         server.serve([1, 2, 10_000], 1)
     cache.check_invariants()
     assert cache.free_size() == 64 and cache.protected_size() == 0
+
+
+def test_server_needs_a_matching_host_pool_for_a_cpu_tier(model):
+    tiers = TwoTierCache(64, 32, block_size=16, swap_buffer=16)
+    pool = KVPool(TINY, 64)
+    with pytest.raises(UsageError, match="needs a host pool of 48 rows"):
+        Server(model, tiers, pool)
+    with pytest.raises(UsageError, match="host pool has 32 rows"):
+        Server(model, tiers, pool, host_pool=pool.host_mirror(32))
+    with pytest.raises(UsageError, match="unknown copy function"):
+        Server(model, tiers, pool, host_pool=pool.host_mirror(48), copy="memcpy")
+    with pytest.raises(UsageError, match="keep_plans=False"):
+        Server(model, TwoTierCache(64, 32, block_size=16, swap_buffer=16, keep_plans=False), pool,
+               host_pool=pool.host_mirror(48))
+    with pytest.raises(UsageError, match="has none"):
+        Server(model, KVCache(64, block_size=16), pool, host_pool=pool.host_mirror(48))
+    host = pool.host_mirror(48)
+    assert host.device.type == "cpu" and host.dtype == pool.dtype and len(host.buffers()) == 2 * TINY.num_layers
+    assert host.buffers()[0] is host.k_buffers[0] and host.buffers()[-1] is host.v_buffers[-1]

@@ -11,6 +11,7 @@ import os
 # the kernel package is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -31,6 +32,8 @@ from penelope.phantom import (  # noqa: E402
     plan_request,
     release_request,
 )
+from penelope.swap_executor import SwapExecutor  # noqa: E402
+from penelope.tiers import TwoTierCache  # noqa: E402
 from penelope.tree import BlockState  # noqa: E402
 
 SHARED = list(range(1000, 1008))
@@ -225,6 +228,10 @@ def test_build_batch_rejects_loads_and_empty_input():
         build_batch([])
     with pytest.raises(UsageError, match="real segment"):
         build_batch([dataclasses.replace(plan, segments=[PlanSegment(8, 16, phantom=True)])])
+    unfilled = plan.slots.copy()
+    unfilled[20] = -1
+    with pytest.raises(UsageError, match="position 20 has no KV slot"):
+        build_batch([dataclasses.replace(plan, slots=unfilled)])
     release_request(cache, plan)
 
 
@@ -306,4 +313,78 @@ def test_real_request_reads_the_hole_kv_written_in_the_same_layer(attention):
     assert torch.isfinite(corrupted).all()
     assert (corrupted[real_rows] - expected[real]).abs().max() > 1e-4
     finish_request(cache, plan)
+    cache.check_invariants()
+
+
+# --- Two tiers: CPU spans are loaded, and the real request reads the loaded K/V ----------------------
+
+
+def two_tier_scene(copy_fn):
+    """A tiny model over a two-tier cache (192-token GPU tier, 32-token CPU tier, one-block swap
+    buffer) whose tier plans run on real pools. History 1 ends up as GPU [0, 32), a hole [32, 48),
+    CPU [48, 80), GPU [80, 128), with both tiers full but one free GPU block. Returns the model,
+    cache, GPU pool, executor and the next prompt of history 1."""
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, TINY.vocab_size, 32).tolist()
+    first = shared + rng.integers(0, TINY.vocab_size, 96).tolist()
+    second = shared + rng.integers(0, TINY.vocab_size, 96).tolist()
+    model = Qwen3Decoder(TINY, random_weights(TINY, seed=3), attention="naive", deterministic=True)
+    cache = TwoTierCache(192, 32, block_size=BLOCK, policy="penelope", swap_buffer=BLOCK)
+    pool = KVPool(TINY, 192)
+    executor = SwapExecutor(pool.buffers(), pool.host_mirror(cache.host_rows).buffers(), copy_fn)
+    for tokens in (first, second):
+        plan = plan_request(cache, tokens)
+        executor.run_all(cache.take_plans())
+        model(to_batch(build_batch([plan])), pool)
+        finish_request(cache, plan)
+    # Second's insert demoted first's [32, 48) and [48, 64); with the host full, making one GPU
+    # block free deletes first's [32, 48) and demotes [64, 80) into its host rows.
+    assert cache.evict(BLOCK).ranges == [(32, 48)]
+    executor.run_all(cache.take_plans())
+    prompt = first + rng.integers(0, TINY.vocab_size, 10).tolist()
+    return model, cache, pool, executor, prompt
+
+
+@pytest.mark.parametrize("copy_fn", ["naive", "triton"])
+def test_loaded_spans_are_in_place_before_the_real_request_reads_them(copy_fn):
+    model, cache, pool, executor, prompt = two_tier_scene(copy_fn)
+    expected = full_prefill(model, prompt)
+    states = [(s.start, s.end, s.state) for s in cache.match(prompt).spans]
+    assert states == [(0, 32, BlockState.GPU), (32, 48, BlockState.MISSING), (48, 80, BlockState.CPU),
+                      (80, 128, BlockState.GPU)]
+    assert (cache.free_size(), cache.cpu_free_size()) == (16, 0)
+
+    plan = plan_request(cache, prompt)
+    assert plan.holes == [(32, 48)] and plan.loads == [] and plan.compute_from == 128
+    assert [(s.start, s.end, s.state) for s in plan.loaded] == [(48, 80, BlockState.GPU)]
+    # One block into the free GPU block, one exchanged through the swap buffer.
+    assert (plan.loaded_tokens, plan.swapped_tokens) == (32, 16)
+    assert np.array_equal(plan.slots[48:80], plan.loaded[0].slots)
+    assert len(np.unique(plan.slots)) == len(prompt) and plan.slots.min() >= 0
+    plans = cache.take_plans()
+    # The load (16 tokens out through the exchange), then the allocation's demotions.
+    assert [(p.to_gpu_tokens, p.swapped_tokens) for p in plans] == [(32, 16), (0, 0)]
+    assert plans[0].to_host_tokens == 16 and plans[1].to_host_tokens > 0
+    layout = build_batch([plan])
+    real_rows = torch.from_numpy(np.flatnonzero(~layout.phantom))
+    phantom_rows = torch.from_numpy(np.flatnonzero(layout.phantom))
+
+    # Without the copies the loaded positions' GPU rows hold another block's K/V.
+    stale = copy.deepcopy(pool)
+    without = model(to_batch(layout), stale)
+    assert (without[real_rows] - expected[128:]).abs().max() > 1e-3
+
+    executor.run_all(plans)
+    loaded = torch.from_numpy(plan.slots[48:80])
+    kept = [buf[loaded].clone() for buf in pool.buffers()]
+    logits = model(to_batch(layout), pool)
+    assert torch.equal(logits[real_rows], expected[128:])
+    assert torch.equal(logits[phantom_rows], expected[32:48])
+
+    # The real request reads the loaded rows: changing them changes its output.
+    for buf, rows in zip(pool.buffers(), kept, strict=True):
+        buf[loaded] = rows + 1.0
+    assert (model(to_batch(layout), pool)[real_rows] - expected[128:]).abs().max() > 1e-4
+    finish_request(cache, plan)
+    assert cache.take_plans() == []
     cache.check_invariants()

@@ -1,5 +1,6 @@
 """`penelope verify`: deterministic phantom batches reproduce a never-evicting cache bit for bit,
-on the naive path and on the Triton kernel (interpreted), and the check catches broken plans."""
+on the naive path and on the Triton kernel (interpreted), GPU-only and with a CPU tier whose moves
+run on the real K/V pools, and the check catches broken plans and skipped copies."""
 import os
 
 # The "triton" backend runs the kernel under the interpreter on CPU; it must be chosen before
@@ -19,13 +20,18 @@ from penelope.commands.verify import VerifyOptions, compare_runs, verify  # noqa
 from penelope.engine.session import RunRecord, SessionRecord  # noqa: E402
 from penelope.phantom import build_batch  # noqa: E402
 from penelope.policy import policy_names  # noqa: E402
+from penelope.swap_executor import SwapExecutor  # noqa: E402
 
 # Small enough for the interpreter: 3 sessions x 3 turns, 32-token blocks, a 384-token cache
 # that Penelope must evict from (two holes refilled by phantoms with seed 0).
 SMALL = VerifyOptions(sessions=3, turns=3, cache_tokens=384, block_size=32, system_tokens=64, message_tokens=48,
                       reply_tokens=3)
+# The same workload over a two-tier cache: a 256-token GPU tier (the longest session is 253
+# tokens) and a 128-token CPU tier, so requests load CPU spans, both tiers fill up and loads go
+# through a one-block swap buffer in several chunks, and deleted fronts leave holes for phantoms.
+TWO_TIER = dataclasses.replace(SMALL, cache_tokens=256, cpu_cache=128, swap_buffer=32)
 CONTRACT = {"identical_tokens", "bitwise_identical_logprobs", "max_abs_logprob_diff", "requests", "phantom_tokens",
-            "holes_refilled"}
+            "holes_refilled", "loads", "swap_buffer_loads", "demotions"}
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +60,7 @@ def test_cli_default_run_is_bitwise_identical_with_phantoms(tmp_path, capsys):
     assert report["max_abs_logprob_diff"] == 0.0
     assert report["requests"] == 24 and report["phantom_tokens"] > 0 and report["holes_refilled"] > 0
     assert report["positions_compared"] > 4 * 256
+    assert (report["loads"], report["swap_buffer_loads"], report["demotions"]) == (0, 0, 0)
     printed = capsys.readouterr().out
     assert "PASS" in printed and "holes refilled by phantoms" in printed
 
@@ -69,6 +76,63 @@ def test_every_policy_reproduces_the_never_evicting_run(policy):
     assert report.identical and report.evicted_tokens > 0
     if policy in ("leaf-head-block", "private-head-block"):
         assert report.phantom_tokens > 0
+
+
+def assert_every_tier_move(report):
+    assert report.loads > 0 and report.loaded_tokens > 0
+    assert report.swap_buffer_loads > 0 and report.swapped_tokens > TWO_TIER.swap_buffer  # several chunks
+    assert report.demotions > 0 and report.demoted_tokens > 0
+    assert report.plans_run > 0 and report.bytes_moved > 0
+
+
+@pytest.mark.parametrize("copy", ["naive", "triton"])
+def test_two_tier_cache_is_bitwise_identical_with_loads_swaps_and_phantoms(copy):
+    report = verify(dataclasses.replace(TWO_TIER, copy=copy))
+    assert_identical_with_phantoms(report, requests=9)
+    assert_every_tier_move(report)
+    assert report.cpu_cache_tokens == 128
+
+
+def plan_kind(plan):
+    if plan.swapped_tokens:
+        return "exchange"
+    return "load" if len(plan.to_gpu_host) else "demotion"
+
+
+@pytest.mark.parametrize("skipped", ["exchange", "load", "demotion"])
+def test_a_skipped_tier_copy_is_detected(monkeypatch, skipped):
+    """The engine must run every plan the cache emits: dropping the first plan of one kind (a
+    swap-buffer exchange, a plain load, a demotion) leaves K/V rows that differ from what the cache
+    believes, and the outputs differ."""
+    run = SwapExecutor.run
+    dropped = []
+
+    def skip_first(self, plan):
+        if not dropped and plan_kind(plan) == skipped:
+            dropped.append(plan)
+            return
+        run(self, plan)
+
+    monkeypatch.setattr(SwapExecutor, "run", skip_first)
+    report = verify(dataclasses.replace(TWO_TIER, copy="naive"))
+    assert len(dropped) == 1
+    assert not report.identical and not report.bitwise_identical_logprobs
+    assert report.max_abs_logprob_diff > 1e-4
+
+
+def test_cli_two_tier_json_reports_the_tier_moves(tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    args = ["verify", "--sessions", "3", "--turns", "3", "--cache-tokens", "256", "--cpu-cache", "128",
+            "--swap-buffer", "32", "--copy", "triton", "--block-size", "32", "--system-tokens", "64",
+            "--message-tokens", "48", "--reply-tokens", "3", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert CONTRACT <= set(report)
+    assert report["identical_tokens"] is True and report["bitwise_identical_logprobs"] is True
+    assert report["loads"] > 0 and report["swap_buffer_loads"] > 0 and report["demotions"] > 0
+    assert report["phantom_tokens"] > 0 and report["requests"] == 9
+    printed = capsys.readouterr().out
+    assert "PASS" in printed and "through the swap buffer" in printed and "triton copy" in printed
 
 
 def skip_phantoms(plans):
@@ -119,6 +183,9 @@ def test_cli_exits_1_when_outputs_differ(monkeypatch, tmp_path, capsys):
         (["--block-size", "0"], "block_size must be a positive integer"),
         (["--seed", "-1"], "seed must be a non-negative integer"),
         (["--reply-tokens", "0"], "reply_tokens must be a positive integer"),
+        (["--cpu-cache", "-1"], "cpu_cache must be a non-negative integer"),
+        (["--cpu-cache", "32"], "cpu_cache of 32 tokens is smaller than one block of 64 tokens"),
+        (["--cpu-cache", "256", "--swap-buffer", "32"], "swap_buffer of 32 tokens is smaller than one block"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message, capsys):
@@ -172,3 +239,9 @@ def test_cli_default_run_on_the_triton_kernel(tmp_path):
     assert main(["verify", "--attention", "triton", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bitwise_identical_logprobs"] and report["identical_tokens"] and report["phantom_tokens"] > 0
+
+
+def test_two_tier_cache_on_the_triton_kernel():
+    report = verify(dataclasses.replace(TWO_TIER, attention="triton", copy="triton"))
+    assert_identical_with_phantoms(report, requests=9)
+    assert_every_tier_move(report)

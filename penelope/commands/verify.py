@@ -12,6 +12,12 @@ large enough never to evict. Compared:
   was new, recomputed by a phantom or after a tail eviction, against the never-evicting run's.
   Reused positions are covered by the value computed when their KV was written.
 
+With `--cpu-cache TOKENS` the small cache is a `penelope.tiers.TwoTierCache` (GPU tier
+`--cache-tokens`, CPU tier TOKENS, swap buffer `--swap-buffer`): requests load their CPU spans
+back (through the swap buffer when both tiers are full), other KV is demoted to make room, and
+every copy runs on the engine's real K/V pools (`--copy`: the Triton swap-copy kernel or torch
+indexed copies). A copy that is skipped or lands in the wrong row changes the outputs.
+
 Exit code 0 when both agree exactly, 1 when they differ, 2 on bad arguments.
 """
 from __future__ import annotations
@@ -25,14 +31,17 @@ from dataclasses import asdict, dataclass
 from penelope.errors import UsageError
 
 ATTENTION_CHOICES = ("naive", "triton")
+COPY_CHOICES = ("triton", "naive")
 
 
 @dataclass(frozen=True)
 class VerifyOptions:
     """One verification: workload shape, the small cache, and the engine.
 
-    `cache_tokens`: capacity of the evicting cache (tokens); `block_size`: its block; `policy`:
-    an eviction policy name; `attention`: "naive" or "triton"; `device`: where the tiny model runs.
+    `cache_tokens`: capacity of the evicting cache (tokens; its GPU tier when `cpu_cache` > 0);
+    `block_size`: its block; `policy`: an eviction policy name; `attention`: "naive" or "triton";
+    `device`: where the tiny model runs. `cpu_cache`: tokens of a CPU tier (0: GPU only);
+    `swap_buffer`: host tokens reserved for exchanges; `copy`: "triton" or "naive" tier copies.
     """
 
     sessions: int = 4
@@ -47,6 +56,9 @@ class VerifyOptions:
     reply_tokens: int = 8
     model: str = "tiny"
     device: str = "cpu"
+    cpu_cache: int = 0
+    swap_buffer: int = 1024
+    copy: str = "triton"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
@@ -57,11 +69,30 @@ class VerifyOptions:
                 raise UsageError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UsageError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.copy not in COPY_CHOICES:
+            raise UsageError(f"unknown copy function {self.copy!r}; choose from {list(COPY_CHOICES)}")
+        for name in ("cpu_cache", "swap_buffer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.cpu_cache:
+            # TwoTierCache says the same, but only after the model is built.
+            if self.cpu_cache < self.block_size:
+                raise UsageError(f"cpu_cache of {self.cpu_cache} tokens is smaller than one block of "
+                                 f"{self.block_size} tokens (0 turns the CPU tier off)")
+            if self.swap_buffer < self.block_size:
+                raise UsageError(f"swap_buffer of {self.swap_buffer} tokens is smaller than one block of "
+                                 f"{self.block_size} tokens")
 
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """Outcome of `verify` (the first six fields are the JSON contract of `penelope verify`)."""
+    """Outcome of `verify` (the first nine fields are the JSON contract of `penelope verify`).
+
+    Tier figures (zero without a CPU tier): `loads` requests that loaded CPU spans,
+    `swap_buffer_loads` of them through the swap buffer, `demotions` GPU -> CPU moves (operations);
+    `loaded_tokens`, `swapped_tokens`, `demoted_tokens` the same in tokens; `plans_run` and
+    `bytes_moved` what the executor did on the real pools."""
 
     identical_tokens: bool
     bitwise_identical_logprobs: bool
@@ -69,6 +100,9 @@ class VerifyReport:
     requests: int
     phantom_tokens: int
     holes_refilled: int
+    loads: int
+    swap_buffer_loads: int
+    demotions: int
     generated_tokens: int
     positions_compared: int
     values_compared: int
@@ -78,6 +112,12 @@ class VerifyReport:
     hit_rate: float
     reference_hit_rate: float
     reference_cache_tokens: int
+    cpu_cache_tokens: int = 0
+    loaded_tokens: int = 0
+    swapped_tokens: int = 0
+    demoted_tokens: int = 0
+    plans_run: int = 0
+    bytes_moved: int = 0
 
     @property
     def identical(self) -> bool:
@@ -163,6 +203,7 @@ def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
     from penelope.engine.weights import random_weights
     from penelope.errors import InvariantError
     from penelope.phantom import build_batch
+    from penelope.tiers import TwoTierCache
 
     config = get_engine_config(options.model)
     workload = AgentWorkload(options.sessions, options.turns, options.system_tokens, options.message_tokens,
@@ -177,21 +218,40 @@ def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
     weights = random_weights(config, seed=options.seed, device=device)
     model = Qwen3Decoder(config, weights, attention=options.attention, deterministic=True)
 
-    def run(capacity: int):
-        cache = KVCache(capacity, block_size=options.block_size, policy=options.policy)
-        server = Server(model, cache, KVPool(config, capacity, dtype=weights.dtype, device=device),
-                        layout_fn or build_batch)
+    def run(capacity: int, cpu_capacity: int = 0):
+        pool = KVPool(config, capacity, dtype=weights.dtype, device=device)
+        if cpu_capacity:
+            cache = TwoTierCache(capacity, cpu_capacity, block_size=options.block_size, policy=options.policy,
+                                 swap_buffer=options.swap_buffer)
+            server = Server(model, cache, pool, layout_fn or build_batch, host_pool=pool.host_mirror(cache.host_rows),
+                            copy=options.copy)
+        else:
+            cache = KVCache(capacity, block_size=options.block_size, policy=options.policy)
+            server = Server(model, cache, pool, layout_fn or build_batch)
         record = run_workload(server, workload, logprobs=True)
         cache.check_invariants()
-        return record, cache
+        if cpu_capacity and cache.take_plans():
+            raise InvariantError("the cache queued tier plans that the engine never ran")
+        return record, cache, server
 
-    small, small_cache = run(options.cache_tokens)
+    small, small_cache, small_server = run(options.cache_tokens, options.cpu_cache)
     big = reference_capacity(workload, options.block_size)
-    reference, reference_cache = run(big)
+    reference, reference_cache, _ = run(big)
     if reference_cache.stats.evicted_tokens:
         raise InvariantError(f"the reference cache of {big} tokens evicted {reference_cache.stats.evicted_tokens}")
     compared = compare_runs(small, reference)
+    tiers = small_cache.counters if options.cpu_cache else None
+    moved = small_server.executor.counters if options.cpu_cache else None
     return VerifyReport(
+        loads=tiers.loads if tiers else 0,
+        swap_buffer_loads=tiers.swap_loads if tiers else 0,
+        demotions=tiers.demotions if tiers else 0,
+        cpu_cache_tokens=options.cpu_cache,
+        loaded_tokens=tiers.loaded_tokens if tiers else 0,
+        swapped_tokens=tiers.swapped_tokens if tiers else 0,
+        demoted_tokens=tiers.demoted_tokens if tiers else 0,
+        plans_run=moved.plans if moved else 0,
+        bytes_moved=moved.bytes_moved if moved else 0,
         requests=small.requests,
         phantom_tokens=small.phantom_tokens,
         holes_refilled=small.holes_refilled,
@@ -233,6 +293,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--reply-tokens", type=int, default=defaults.reply_tokens,
                         help="greedy tokens generated per turn")
     parser.add_argument("--device", default=defaults.device, help="torch device of the tiny model (cpu, cuda)")
+    parser.add_argument("--cpu-cache", type=int, default=defaults.cpu_cache, metavar="TOKENS",
+                        help="CPU tier of the small cache, in tokens (0: GPU only); --cache-tokens is its GPU tier")
+    parser.add_argument("--swap-buffer", type=int, default=defaults.swap_buffer, metavar="TOKENS",
+                        help="host tokens reserved for swap-buffer exchanges (with --cpu-cache)")
+    parser.add_argument("--copy", default=defaults.copy, choices=COPY_CHOICES,
+                        help="how tier moves copy K/V rows: the Triton swap-copy kernel (interpreted without a "
+                             "GPU) or torch indexed copies")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -245,7 +312,8 @@ def run(args) -> int:
         raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device is available")
-    if args.attention == "triton" and not args.device.startswith("cuda"):
+    triton_copy = args.copy == "triton" and args.cpu_cache > 0
+    if (args.attention == "triton" or triton_copy) and not args.device.startswith("cuda"):
         # Triton kernels on CPU tensors only run in the interpreter; it must be chosen before the
         # kernel package is first imported (the engine imports it on the first triton call).
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -253,6 +321,7 @@ def run(args) -> int:
         sessions=args.sessions, turns=args.turns, cache_tokens=args.cache_tokens, policy=args.policy,
         attention=args.attention, seed=args.seed, block_size=args.block_size, system_tokens=args.system_tokens,
         message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, device=args.device,
+        cpu_cache=args.cpu_cache, swap_buffer=args.swap_buffer, copy=args.copy,
     )
     # The tiny model's one-row products gain nothing from intra-op threads; on a busy machine
     # extra threads only wait for each other (measured: 10x slower with 2 threads on 2 shared cores).
@@ -270,12 +339,20 @@ def summary(options: VerifyOptions, report: VerifyReport) -> str:
     """A few lines for people: what ran, what was compared, PASS or FAIL."""
     tokens = "identical" if report.identical_tokens else "DIFFERENT"
     logprobs = "bitwise identical" if report.bitwise_identical_logprobs else "DIFFERENT"
+    tier = []
+    if options.cpu_cache:
+        tier = [f"CPU tier {options.cpu_cache} tokens (swap buffer {options.swap_buffer}, {options.copy} copy): "
+                f"{report.loads} loads ({report.loaded_tokens} tokens), {report.swap_buffer_loads} through the swap "
+                f"buffer ({report.swapped_tokens} tokens), {report.demotions} demotions ({report.demoted_tokens} "
+                f"tokens); {report.plans_run} plans run, {report.bytes_moved / 2**20:.1f} MiB moved"]
+    gpu = " GPU tier" if options.cpu_cache else ""
     return "\n".join([
         f"{options.sessions} sessions x {options.turns} turns, model {options.model}, {options.attention} attention, "
         "deterministic",
-        f"small cache {options.cache_tokens} tokens ({options.policy}): {report.requests} requests, "
+        f"small cache{gpu} {options.cache_tokens} tokens ({options.policy}): {report.requests} requests, "
         f"{report.evicted_tokens} tokens evicted, hit rate {report.hit_rate:.1%}, "
         f"{report.holes_refilled} holes refilled by phantoms ({report.phantom_tokens} tokens)",
+        *tier,
         f"reference cache {report.reference_cache_tokens} tokens: never evicts, hit rate "
         f"{report.reference_hit_rate:.1%}",
         f"generated tokens: {tokens} ({report.generated_tokens} tokens)",

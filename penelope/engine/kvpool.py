@@ -3,6 +3,10 @@
 Slot `s` of layer `l` holds the key `k_buffers[l][s]` and value `v_buffers[l][s]` of one token,
 each `[Hkv, D]`. Which token lives in which slot is the cache manager's business (it hands out
 slots and writes them into `req_to_token`); the pool only stores rows.
+
+With a CPU tier (`penelope.tiers.TwoTierCache`) the engine keeps a second pool of the same layout
+in host memory (`host_mirror`: the CPU tier plus the swap buffer), and
+`penelope.swap_executor.SwapExecutor` copies rows between `buffers()` of the two.
 """
 from __future__ import annotations
 
@@ -26,14 +30,28 @@ class KVPool:
         capacity: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise UsageError(f"KV pool capacity must be a positive number of tokens, got {capacity!r}")
         self.config = config
         self.capacity = capacity
         shape = (capacity, config.num_kv_heads, config.head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                          for _ in range(config.num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                          for _ in range(config.num_layers)]
+
+    def host_mirror(self, rows: int) -> KVPool:
+        """A pool of `rows` token rows with this pool's layout and dtype in host memory, pinned
+        when this pool is on a GPU (the swap-copy kernel reaches pinned memory only)."""
+        return KVPool(self.config, rows, self.dtype, "cpu", pin_memory=self.device.type == "cuda")
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every layer's K buffer, then every layer's V buffer (`2 * layers` tensors `[capacity,
+        Hkv, D]`): the pool as `SwapExecutor` takes it. Two pools list their layers in the same
+        order, so row s of list entry i means the same thing in both."""
+        return [*self.k_buffers, *self.v_buffers]
 
     @property
     def dtype(self) -> torch.dtype:

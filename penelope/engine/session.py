@@ -14,6 +14,14 @@ was written (an earlier turn, possibly of another session sharing the prefix). S
 covers every position of every prompt, reused or recomputed, and a position recomputed later (as
 a phantom, or after a tail eviction) yields a second row that must equal the first bitwise in
 deterministic mode.
+
+Two tiers: with a `penelope.tiers.TwoTierCache` the server also holds a host KV pool (the CPU tier
+plus the swap buffer) and a `penelope.swap_executor.SwapExecutor`. The request's CPU spans are
+loaded back by `plan_request`; after every cache call that may move KV (planning, each decode
+step's allocation, the final insert) the server runs every plan the cache queued, in order, on the
+real pools before the next forward. So the K/V rows always hold what the cache believes, the
+loaded spans are in place before the prefill reads them, and demoted rows are copied out before
+their GPU slots are handed to new tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from penelope.engine.kvpool import KVPool
 from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.errors import UsageError
 from penelope.phantom import BatchLayout, RequestPlan, build_batch, finish_request, plan_request, release_request
+from penelope.swap_executor import SwapExecutor
 
 LayoutFn = Callable[[list[RequestPlan]], BatchLayout]
 
@@ -39,7 +48,9 @@ class TurnResult:
     `generated`: the greedy tokens. `positions` int64 `[k]` and `logprobs` float32 `[k, vocab]`:
     every position the request computed (phantom, prompt and decode rows) and its log-softmax
     row (empty unless asked). `holes`: spans the phantoms refilled;
-    `hit_tokens`: prompt tokens whose KV was reused; `computed_tokens`: rows of the prefill.
+    `hit_tokens`: prompt tokens whose KV was reused; `computed_tokens`: rows of the prefill;
+    `loaded_tokens`: prompt tokens loaded from the CPU tier, `swapped_tokens` of them through the
+    swap buffer.
     """
 
     prompt_len: int
@@ -49,6 +60,8 @@ class TurnResult:
     holes: list[tuple[int, int]]
     hit_tokens: int
     computed_tokens: int
+    loaded_tokens: int = 0
+    swapped_tokens: int = 0
 
     @property
     def phantom_tokens(self) -> int:
@@ -61,15 +74,34 @@ class Server:
     `model` and `pool` must agree (same config, dtype, device); `cache.capacity` must equal
     `pool.capacity`, since cache slots are pool rows. `layout_fn` turns request plans into a
     batch (`penelope.phantom.build_batch`; tests pass broken ones to show verification fails).
+
+    A cache with a CPU tier (one that queues tier plans: `TwoTierCache`, `HiCacheLikeCache`)
+    needs `host_pool`, a pool of `cache.host_rows` rows with `pool`'s layout and dtype
+    (`pool.host_mirror(cache.host_rows)`); its plans run through `SwapExecutor` with the copy
+    function `copy` ("triton": the swap-copy kernel, "naive": torch indexed copies).
     """
 
-    def __init__(self, model: Qwen3Decoder, cache: KVCache, pool: KVPool, layout_fn: LayoutFn = build_batch):
+    def __init__(self, model: Qwen3Decoder, cache: KVCache, pool: KVPool, layout_fn: LayoutFn = build_batch,
+                 host_pool: KVPool | None = None, copy: str = "triton"):
         if cache.capacity != pool.capacity:
             raise UsageError(f"cache capacity {cache.capacity} differs from KV pool capacity {pool.capacity}")
         self.model = model
         self.cache = cache
         self.pool = pool
         self.layout_fn = layout_fn
+        self.host_pool = host_pool
+        self.executor: SwapExecutor | None = None
+        if hasattr(cache, "take_plans"):
+            if not getattr(cache, "keep_plans", True):
+                raise UsageError("the cache was built with keep_plans=False: its moves could not be run on the pools")
+            if host_pool is None:
+                raise UsageError(f"a cache with a CPU tier needs a host pool of {cache.host_rows} rows")
+            if host_pool.capacity != cache.host_rows:
+                raise UsageError(f"host pool has {host_pool.capacity} rows; the cache's CPU tier and swap buffer "
+                                 f"need {cache.host_rows}")
+            self.executor = SwapExecutor(pool.buffers(), host_pool.buffers(), copy)
+        elif host_pool is not None:
+            raise UsageError(f"a host pool needs a cache with a CPU tier; {type(cache).__name__} has none")
 
     def serve(self, prompt, max_new_tokens: int = 1, logprobs: bool = False) -> TurnResult:
         """Prefill `prompt` (ints `[n]`) with phantoms for its holes, then decode `max_new_tokens`
@@ -81,14 +113,31 @@ class Server:
         if len(prompt) + max_new_tokens - 1 > self.model.config.max_position_embeddings:
             raise UsageError(f"{len(prompt)} + {max_new_tokens} tokens exceed the model's "
                              f"{self.model.config.max_position_embeddings} positions")
-        plan = plan_request(self.cache, prompt)
         try:
+            plan = plan_request(self.cache, prompt)
+        except BaseException:
+            # A refused plan may still have loaded or demoted KV: the pools must follow.
+            self.move_kv()
+            raise
+        try:
+            self.move_kv()
             result = self._run(plan, prompt, max_new_tokens, logprobs)
         except BaseException:
             release_request(self.cache, plan)
+            self.move_kv()
             raise
         finish_request(self.cache, plan)
+        self.move_kv()
         return result
+
+    def move_kv(self) -> int:
+        """Run every tier plan the cache queued, oldest first, on the GPU and host pools (nothing
+        for a GPU-only cache). Returns the number of plans run."""
+        if self.executor is None:
+            return 0
+        plans = self.cache.take_plans()
+        self.executor.run_all(plans)
+        return len(plans)
 
     def _run(self, plan: RequestPlan, prompt: np.ndarray, max_new_tokens: int, logprobs: bool) -> TurnResult:
         layout = self.layout_fn([plan])
@@ -105,10 +154,12 @@ class Server:
             if len(generated) == max_new_tokens:
                 break
             plan.append(self.cache, generated[-1:])
+            # The new slot may come from a demotion: its old row goes to the host first.
+            self.move_kv()
             layout = self.layout_fn([plan])
         positions, rows = _logprob_rows(steps, self.model.config.vocab_size)
         return TurnResult(len(prompt), generated, positions, rows, list(plan.holes), plan.hit_tokens,
-                          computed_tokens)
+                          computed_tokens, plan.loaded_tokens, plan.swapped_tokens)
 
 
 def _engine_batch(layout: BatchLayout) -> EngineBatch:
@@ -186,6 +237,8 @@ class RunRecord:
     holes_refilled: int = 0
     hit_tokens: int = 0
     computed_tokens: int = 0
+    loaded_tokens: int = 0
+    swapped_tokens: int = 0
 
 
 def turn_order(workload: AgentWorkload) -> Iterator[tuple[int, int]]:
@@ -213,4 +266,6 @@ def run_workload(server: Server, workload: AgentWorkload, logprobs: bool = True)
         record.holes_refilled += len(result.holes)
         record.hit_tokens += result.hit_tokens
         record.computed_tokens += result.computed_tokens
+        record.loaded_tokens += result.loaded_tokens
+        record.swapped_tokens += result.swapped_tokens
     return record
