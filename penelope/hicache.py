@@ -32,7 +32,7 @@ import numpy as np
 
 from penelope.cache import EvictResult, KVCache, LockHandle, _count
 from penelope.errors import CacheFullError, InvariantError, UsageError
-from penelope.tiers import HostSlots, LoadResult, TierCounters, TierPlan, _cat, loaded_spans
+from penelope.tiers import HostTier, LoadResult, TierPlan, _cat, loaded_spans
 from penelope.tree import BlockState, Node, RadixTree, Released
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -60,7 +60,7 @@ class _BackupTree(RadixTree):
         super().remove(node)
 
 
-class HiCacheLikeCache(KVCache):
+class HiCacheLikeCache(HostTier, KVCache):
     """SGLang-style GPU + CPU cache of `gpu_capacity` device tokens and `cpu_capacity` host tokens.
 
     Same caller protocol and results as `TwoTierCache` (match, lock, load, alloc, insert, unlock,
@@ -69,40 +69,13 @@ class HiCacheLikeCache(KVCache):
     def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, cost_model=None,
                  allocator=None, track_recompute: bool = True, keep_plans: bool = True):
         super().__init__(gpu_capacity, block_size, "sglang", cost_model, allocator, track_recompute)
-        cpu_capacity = _count(cpu_capacity, "cpu_capacity")
-        if cpu_capacity < block_size:
-            raise UsageError(f"a two-tier cache needs a CPU tier of at least one block ({block_size} tokens), "
-                             f"got {cpu_capacity}; use KVCache for a GPU-only cache")
-        if cpu_capacity >= 2**31:
-            raise UsageError(f"CPU tier {cpu_capacity} is beyond the 2**31 slots the tree can address")
         # The tree is still empty: swap in the one that keeps host copies.
         self.tree = _BackupTree(block_size)
-        self.gpu_capacity = self.capacity
-        self.cpu_capacity = cpu_capacity
-        self.total_capacity = self.capacity + cpu_capacity
-        self.host = HostSlots(cpu_capacity)
-        self.host_rows = self.host.rows
-        self.counters = TierCounters()
-        self.keep_plans = keep_plans
-        self._plans: list[TierPlan] = []
-
-    def cpu_free_size(self) -> int:
-        return self.host.free_size()
-
-    def cpu_evictable_size(self) -> int:
-        """Host-only tokens no running request locks (backups of GPU nodes not included)."""
-        return self.tree.cpu_evictable_tokens
-
-    def cpu_protected_size(self) -> int:
-        return self.tree.cpu_protected_tokens
+        self._init_host_tier(_count(cpu_capacity, "cpu_capacity"), 0, keep_plans)
 
     def backup_size(self) -> int:
         """Host tokens holding copies of GPU-resident nodes."""
         return sum(len(copy) for copy in self.tree.backup.values())
-
-    def take_plans(self) -> list[TierPlan]:
-        plans, self._plans = self._plans, []
-        return plans
 
     def alloc(self, n_tokens: int) -> np.ndarray:
         """`n_tokens` free GPU slots; device eviction (demote or delete LRU device leaves) first."""
@@ -126,10 +99,7 @@ class HiCacheLikeCache(KVCache):
 
     def load(self, handle: LockHandle) -> LoadResult:
         """Load the host-only nodes of the locked path back to the GPU; their host copies stay."""
-        if not isinstance(handle, LockHandle) or handle.owner is not self:
-            raise UsageError("load() takes a handle returned by this cache's lock()")
-        if not handle.active:
-            raise UsageError("load() needs a locked path; this handle is unlocked")
+        self._check_load_handle(handle)
         nodes = [node for node in self.tree.path_to_root(handle.node) if node.n_resident > node.n_gpu]
         total = sum(len(node.slots) for node in nodes)
         if not total:

@@ -236,6 +236,50 @@ class HostSlots:
             raise InvariantError("host pool: a row tagged cached is not in the tree")
 
 
+class HostTier:
+    """What both two-tier caches (`TwoTierCache`, `penelope.hicache.HiCacheLikeCache`) add to a
+    `KVCache`: a host pool, the tier sizes, counters and the queue of plans for `take_plans`."""
+
+    def _init_host_tier(self, cpu_capacity: int, swap_buffer: int, keep_plans: bool) -> None:
+        if cpu_capacity < self.block_size:
+            raise UsageError(f"a two-tier cache needs a CPU tier of at least one block ({self.block_size} tokens), "
+                             f"got {cpu_capacity}; use KVCache for a GPU-only cache")
+        if cpu_capacity + swap_buffer >= 2**31:
+            raise UsageError(f"CPU tier {cpu_capacity} + swap buffer {swap_buffer} is beyond the 2**31 slots "
+                             "the tree can address")
+        self.gpu_capacity = self.capacity
+        self.cpu_capacity = cpu_capacity
+        self.total_capacity = self.capacity + cpu_capacity
+        self.host = HostSlots(cpu_capacity, swap_buffer)
+        self.host_rows = self.host.rows
+        self.counters = TierCounters()
+        self.keep_plans = keep_plans
+        self._plans: list[TierPlan] = []
+
+    def cpu_free_size(self) -> int:
+        """Free host slots (the swap buffer excluded), in tokens."""
+        return self.host.free_size()
+
+    def cpu_evictable_size(self) -> int:
+        """CPU-tier tokens that no running request locks."""
+        return self.tree.cpu_evictable_tokens
+
+    def cpu_protected_size(self) -> int:
+        """CPU-tier tokens on locked paths (they are loaded before the request runs)."""
+        return self.tree.cpu_protected_tokens
+
+    def take_plans(self) -> list[TierPlan]:
+        """The plans of the moves decided since the last call, in the order they must run."""
+        plans, self._plans = self._plans, []
+        return plans
+
+    def _check_load_handle(self, handle: LockHandle) -> None:
+        if not isinstance(handle, LockHandle) or handle.owner is not self:
+            raise UsageError("load() takes a handle returned by this cache's lock()")
+        if not handle.active:
+            raise UsageError("load() needs a locked path; this handle is unlocked")
+
+
 class _GpuView:
     """The GPU view of the tree for one demotion pass: GPU blocks in each node's subtree, and the
     victims (unlocked nodes holding GPU blocks with none below them), least recently used first."""
@@ -268,7 +312,7 @@ class _GpuView:
             heapq.heappush(self.heap, (node.last_access, node.id, node))
 
 
-class TwoTierCache(KVCache):
+class TwoTierCache(HostTier, KVCache):
     """One logical cache of `gpu_capacity + cpu_capacity` tokens over a GPU slot pool and a host pool.
 
     `capacity` stays the GPU pool's size (a running request's KV must fit on the GPU, and callers
@@ -282,46 +326,15 @@ class TwoTierCache(KVCache):
                  swap_buffer: int = DEFAULT_SWAP_BUFFER, cost_model=None, allocator=None,
                  track_recompute: bool = True, keep_plans: bool = True):
         super().__init__(gpu_capacity, block_size, policy, cost_model, allocator, track_recompute)
-        cpu_capacity = _count(cpu_capacity, "cpu_capacity")
         swap_buffer = _count(swap_buffer, "swap_buffer")
-        if cpu_capacity < block_size:
-            raise UsageError(f"a two-tier cache needs a CPU tier of at least one block ({block_size} tokens), "
-                             f"got {cpu_capacity}; use KVCache for a GPU-only cache")
         if swap_buffer < block_size:
             raise UsageError(f"swap buffer of {swap_buffer} tokens is smaller than one block of {block_size} tokens")
-        if cpu_capacity + swap_buffer >= 2**31:
-            raise UsageError(f"CPU tier {cpu_capacity} + swap buffer {swap_buffer} is beyond the 2**31 slots "
-                             "the tree can address")
-        self.gpu_capacity = self.capacity
-        self.cpu_capacity = cpu_capacity
+        self._init_host_tier(_count(cpu_capacity, "cpu_capacity"), swap_buffer, keep_plans)
         self.swap_buffer = swap_buffer
-        self.total_capacity = self.capacity + cpu_capacity
-        self.host = HostSlots(cpu_capacity, swap_buffer)
-        self.host_rows = self.host.rows
-        self.counters = TierCounters()
-        self.keep_plans = keep_plans
-        self._plans: list[TierPlan] = []
-
-    def cpu_free_size(self) -> int:
-        """Free host slots (the swap buffer excluded), in tokens."""
-        return self.host.free_size()
-
-    def cpu_evictable_size(self) -> int:
-        """CPU-tier tokens that no running request locks."""
-        return self.tree.cpu_evictable_tokens
-
-    def cpu_protected_size(self) -> int:
-        """CPU-tier tokens on locked paths (they are loaded before the request runs)."""
-        return self.tree.cpu_protected_tokens
 
     def buffer_slots(self) -> np.ndarray:
         """Host rows of the swap buffer now (int64 [swap_buffer]); they hold no live data."""
         return self.host.buffer_slots.copy()
-
-    def take_plans(self) -> list[TierPlan]:
-        """The plans queued since the last call, oldest first; run them in this order."""
-        plans, self._plans = self._plans, []
-        return plans
 
     def alloc(self, n_tokens: int) -> np.ndarray:
         """`n_tokens` free GPU slots (int64 [n_tokens]). When the GPU is short, GPU blocks are
@@ -353,10 +366,7 @@ class TwoTierCache(KVCache):
         """Move the CPU blocks on `handle`'s locked path to the GPU (see the module docstring).
         Raises CacheFullError, changing nothing, when the GPU cannot take them now (too much KV
         is locked by running requests)."""
-        if not isinstance(handle, LockHandle) or handle.owner is not self:
-            raise UsageError("load() takes a handle returned by this cache's lock()")
-        if not handle.active:
-            raise UsageError("load() needs a locked path; this handle is unlocked")
+        self._check_load_handle(handle)
         bs = self.block_size
         incoming = [(node, np.flatnonzero(node.state == _CPU)) for node in self.tree.path_to_root(handle.node)
                     if node.n_resident > node.n_gpu]
