@@ -3,7 +3,18 @@ module imports triton). scripts/test.sh sets TRITON_INTERPRET=1 too; this makes 
 `python -m pytest` behave the same."""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny model shapes on a shared 2-core machine: extra intra-op threads only add contention
+    (the engine tests ran 4x slower with the default thread count)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -83,14 +83,7 @@ def reference_attend(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=Non
 REFERENCE = AttentionBackend("reference", torch_store_kv, reference_attend)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These shapes are tiny: on a shared 2-core machine, intra-op threads only add contention
-    (measured: the suite takes ~4x longer with the default thread count under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_tokens(config, n, seed=0):

@@ -19,12 +19,7 @@ from penelope.tiers import TwoTierCache
 TINY = BUILTIN_ENGINE_CONFIGS["tiny"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,7 @@ B = SHARED + list(range(3000, 3024))
 NEW = [4000, 4001, 4002, 4003, 4004, 4005]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes on a shared 2-core machine: extra intra-op threads only add contention."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cache_with_hole(capacity=64):

@@ -12,7 +12,6 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import penelope.phantom  # noqa: E402
 from penelope.cli import main  # noqa: E402
@@ -34,12 +33,7 @@ CONTRACT = {"identical_tokens", "bitwise_identical_logprobs", "max_abs_logprob_d
             "holes_refilled", "loads", "swap_buffer_loads", "demotions"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_identical_with_phantoms(report, requests):
