@@ -5,20 +5,24 @@ Each kernel lives in its own sub-package with ``kernel.py`` (Triton kernel and l
 
 from .kv_swap import copy_kv_slots, exchange_kv, naive_copy_kv_slots, plan_exchange, run_exchange
 from .ragged_attention import (
+    RaggedPlan,
     naive_ragged_prefill_attention,
     naive_store_kv,
+    plan_ragged_prefill,
     ragged_attention_work,
     ragged_prefill_attention,
     store_kv,
 )
 
 __all__ = [
+    "RaggedPlan",
     "copy_kv_slots",
     "exchange_kv",
     "naive_copy_kv_slots",
     "naive_ragged_prefill_attention",
     "naive_store_kv",
     "plan_exchange",
+    "plan_ragged_prefill",
     "ragged_attention_work",
     "ragged_prefill_attention",
     "run_exchange",

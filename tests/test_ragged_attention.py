@@ -9,8 +9,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: E402
 
+from penelope.engine.attention import AttentionBackend, get_attention_backend  # noqa: E402
+from penelope.engine.config import BUILTIN_ENGINE_CONFIGS  # noqa: E402
+from penelope.engine.kvpool import KVPool  # noqa: E402
+from penelope.engine.model import EngineBatch, Qwen3Decoder  # noqa: E402
+from penelope.engine.weights import random_weights  # noqa: E402
 from penelope.kernels.ragged_attention import (  # noqa: E402
+    kernel,
     naive_ragged_prefill_attention,
+    plan_ragged_prefill,
     ragged_attention_blocks,
     ragged_attention_work,
     ragged_prefill_attention,
@@ -374,6 +381,106 @@ def test_store_then_attend_one_layer():
     store_kv(batch["k_buffer"], batch["v_buffer"], slots, new_k, new_v, impl="triton")
     assert torch.equal(batch["k_buffer"][slots.long()], new_k)
     assert_matches_reference(batch)
+
+
+def plan_for(batch, num_slots=None):
+    """``plan_ragged_prefill`` of ``batch`` (a ``make_batch`` dict) for its q and pool shapes."""
+    q, k_buffer = batch["q"], batch["k_buffer"]
+    return plan_ragged_prefill(
+        batch["req_to_token"], batch["segments"], num_tokens=q.shape[0],
+        num_slots=k_buffer.shape[0] if num_slots is None else num_slots,
+        num_q_heads=q.shape[1], num_kv_heads=k_buffer.shape[1], head_dim=q.shape[2],
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_plan_gives_bitwise_the_same_results(dtype):
+    batch = make_batch(PHANTOM_BATCH, 8, 2, 64, dtype, seed=41, order_seed=6)
+    out, lse = run_kernel(batch)
+    plan_out, plan_lse = run_kernel(batch, plan=plan_for(batch))
+    assert not out.isnan().any()
+    assert torch.equal(plan_out, out) and torch.equal(plan_lse, lse)
+
+
+def test_one_plan_serves_several_layers():
+    """Layers share req_to_token and segments but not q, the pool or the scale; a bigger pool
+    than the plan was checked against is fine."""
+    batch = make_batch(PHANTOM_BATCH, 4, 2, 64, torch.float16, seed=43, order_seed=7)
+    plan = plan_for(batch)
+    gen = torch.Generator().manual_seed(44)
+    for layer, extra_slots in enumerate((0, 5, 0)):
+        shape = (batch["k_buffer"].shape[0] + extra_slots, 2, 64)
+        layer_batch = dict(batch, q=torch.randn(batch["q"].shape, generator=gen).half(),
+                           k_buffer=torch.randn(shape, generator=gen).half(),
+                           v_buffer=torch.randn(shape, generator=gen).half())
+        scale = 0.1 * (layer + 1)
+        alone = run_kernel(layer_batch, sm_scale=scale)
+        planned = run_kernel(layer_batch, sm_scale=scale, plan=plan)
+        assert torch.equal(planned[0], alone[0]) and torch.equal(planned[1], alone[1])
+        assert_matches_reference(layer_batch, sm_scale=scale)
+
+
+PLAN_MISMATCHES = {
+    "fewer q rows": (lambda b: b.update(q=b["q"][:-1]), "plan covers 40 query rows but q has 39"),
+    "more q rows": (lambda b: b.update(q=torch.cat([b["q"], b["q"][:1]])), "q has 41"),
+    "small pool": (lambda b: b.update(k_buffer=b["k_buffer"][:-1], v_buffer=b["v_buffer"][:-1]),
+                   "k_buffer has 124 slots, fewer than the 125"),
+    "other segments": (lambda b: b.update(segments=b["segments"].clone()), "other req_to_token or segments"),
+    "other table": (lambda b: b.update(req_to_token=b["req_to_token"].clone()), "other req_to_token"),
+    "other tiles": (lambda b: b.update(q=b["q"].repeat(1, 4, 1)), "do not fit head_dim 64 with 8 q heads"),
+    "layer check": (lambda b: b.update(k_buffer=b["k_buffer"].half()), "k_buffer dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_MISMATCHES))
+def test_plan_that_does_not_fit_the_call_raises(case):
+    batch = make_batch([(96, [(0, 20), (40, 20)])], 4, 2, 64, torch.float32)
+    plan = plan_for(batch)
+    mutate, message = PLAN_MISMATCHES[case]
+    mutate(batch)
+    with pytest.raises(ValueError, match=message):
+        ragged_prefill_attention(**batch, plan=plan)
+
+
+@pytest.mark.parametrize("case", ["bad row", "past q", "position overlap", "slot range", "int64 segments"])
+def test_plan_checks_the_batch_as_a_call_does(case):
+    batch = make_batch([(96, [(0, 20), (40, 20)])], 4, 2, 64, torch.float32)
+    mutate, message = VALIDATION_CASES[case]
+    mutate(batch)
+    with pytest.raises(ValueError, match=message):
+        plan_for(batch)
+    with pytest.raises(ValueError, match="kv heads"):
+        plan_ragged_prefill(batch["req_to_token"], batch["segments"], num_tokens=40, num_slots=125,
+                            num_q_heads=3, num_kv_heads=2, head_dim=64)
+
+
+def test_engine_plans_once_per_batch_not_per_layer(monkeypatch):
+    """Through a 3-layer engine forward on the "triton" backend, the kernel's batch checks and
+    tile construction run once; a backend without a plan runs them in every layer, with bitwise
+    the same logits."""
+    calls = {"check_batch": 0, "_query_tiles": 0}
+    for name in calls:
+        original = getattr(kernel, name)
+
+        def counted(*args, name=name, original=original):
+            calls[name] += 1
+            return original(*args)
+
+        monkeypatch.setattr(kernel, name, counted)
+    config = BUILTIN_ENGINE_CONFIGS["tiny-untied"]
+    assert config.num_layers == 3
+    weights = random_weights(config, seed=3)
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    triton_backend = get_attention_backend("triton")
+    unplanned = AttentionBackend("triton-unplanned", triton_backend.store_kv, triton_backend.attend)
+    logits = {}
+    for backend, expected_calls in ((triton_backend, 1), (unplanned, config.num_layers)):
+        for name in calls:
+            calls[name] = 0
+        model = Qwen3Decoder(config, weights, attention=backend)
+        logits[backend.name] = model(EngineBatch.single_segment(tokens, torch.arange(40)), KVPool(config, 64))
+        assert calls == {"check_batch": expected_calls, "_query_tiles": expected_calls}
+    assert torch.equal(logits["triton"], logits["triton-unplanned"])
 
 
 @pytest.mark.slow

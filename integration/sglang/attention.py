@@ -5,10 +5,12 @@ ragged-position kernel.
 absolute position, length) to every ForwardBatch that holds phantom requests. For those batches
 and eligible layers this backend stores the batch's K/V with SGLang's own store, then runs
 ``penelope.kernels.ragged_prefill_attention`` over all segments in one launch, attending by
-absolute position through ``req_to_token``. Every other batch or layer (decode, no phantoms,
-MLA, sliding window, logit cap, sinks, custom masks, quantized or paged-layout KV, context
-parallelism) goes to ``TritonAttnBackend`` unchanged. Phantoms are correct with the stock path
-too; the ragged kernel saves the work that causality makes unnecessary.
+absolute position through ``req_to_token``; the kernel's per-batch work (checks of segments and
+slots, query tiles) is planned by the batch's first such layer and reused by the others. Every
+other batch or layer (decode, no phantoms, MLA, sliding window, logit cap, sinks, custom masks,
+quantized or paged-layout KV, context parallelism) goes to ``TritonAttnBackend`` unchanged.
+Phantoms are correct with the stock path too; the ragged kernel saves the work that causality
+makes unnecessary.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from penelope.kernels import ragged_prefill_attention
+from penelope.kernels.ragged_attention import plan_ragged_prefill, ragged_prefill_attention
 
 from .hooks import SEGMENTS
 
@@ -35,6 +37,9 @@ def create_penelope_triton_backend(runner):
 class PenelopeTritonAttnBackend(TritonAttnBackend):
     """``TritonAttnBackend`` whose extend path runs phantom batches through the ragged kernel."""
 
+    # The ragged kernel's plan of the latest phantom batch, shared by that batch's layers.
+    ragged_plan = None
+
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
                        score_mod=None, aux_tensors=None):
         segments = getattr(forward_batch, SEGMENTS, None)
@@ -47,14 +52,27 @@ class PenelopeTritonAttnBackend(TritonAttnBackend):
         heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
         out = getattr(forward_batch, "_attn_output", None)
         out = torch.empty_like(q) if out is None else out
+        queries = q.view(-1, heads, head_dim)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        plan = self.ragged_plan
+        # The hooks attach a new segments tensor to every ForwardBatch, so a plan made for another
+        # tensor belongs to an earlier batch. Planning here rather than in init_forward_metadata:
+        # only batches with an eligible layer pay for it, and the layer gives the shapes.
+        if plan is None or plan.segments is not segments or plan.req_to_token is not req_to_token:
+            plan = self.ragged_plan = plan_ragged_prefill(
+                req_to_token, segments, num_tokens=queries.shape[0], num_slots=k_buffer.shape[0],
+                num_q_heads=heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim,
+            )
         ragged_prefill_attention(
-            q.view(-1, heads, head_dim),
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            queries,
+            k_buffer,
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
+            req_to_token,
             segments,
             sm_scale=layer.scaling,
             out=out.view(-1, heads, head_dim),
+            plan=plan,
         )
         return out
 

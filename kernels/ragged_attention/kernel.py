@@ -16,6 +16,7 @@ cut: a phantom recomputing a hole gets the attention outputs of the original pre
 """
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -24,7 +25,15 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .segments import LENGTH, POS_START, build_query_tiles, check_ragged_inputs, segments_to_numpy
+from .segments import (
+    LENGTH,
+    POS_START,
+    build_query_tiles,
+    check_batch,
+    check_batch_tables,
+    check_layer_inputs,
+    segments_to_numpy,
+)
 
 
 @triton.jit
@@ -327,6 +336,91 @@ def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+@dataclass(frozen=True, eq=False)
+class RaggedPlan:
+    """The per-batch half of ``ragged_prefill_attention``: checked segments and their query tiles.
+
+    Every layer of a forward batch attends with the same ``req_to_token`` and ``segments``; a plan
+    built once by ``plan_ragged_prefill`` and passed as ``plan=`` to each layer's call spares the
+    layers the checks that read the batch on the host (device syncs) and the tile construction.
+    It stays valid while ``req_to_token`` and ``segments`` are not modified.
+    """
+
+    req_to_token: torch.Tensor  # int32 [R, max_len], the table that was checked
+    segments: torch.Tensor  # int32 [N, 4]
+    device: torch.device  # of every layer's q and pool
+    num_tokens: int  # query rows T that the segments cover
+    num_slots: int  # slots S every read slot was checked against
+    blocks: RaggedBlocks  # tile sizes the query tiles were cut for
+    tiles: torch.Tensor  # int32 [n_tiles, 4] query tiles on `device`
+
+
+def plan_ragged_prefill(
+    req_to_token: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_slots: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> RaggedPlan:
+    """Check one batch and cut its query tiles, once for all the layers that attend over it.
+
+    Args:
+        req_to_token: int32 ``[R, max_len]``, pool slot of (request row, absolute position).
+        segments: int32 ``[N, 4]`` rows ``(req_row, q_start, pos_start, length)``, as in
+            ``ragged_prefill_attention``.
+        num_tokens: query rows ``T`` of every layer's q.
+        num_slots: pool slots ``S``: every slot a query reads must lie in ``[0, S)``, and every
+            layer's pool must have at least ``S`` rows.
+        num_q_heads, num_kv_heads, head_dim: the layers' attention shape (the query tiles are cut
+            for the tile sizes of ``head_dim`` and the group size).
+
+    Returns:
+        ``RaggedPlan`` on ``req_to_token``'s device, where the layers' q and pools must be.
+
+    Raises:
+        ValueError: what ``ragged_prefill_attention`` raises for the table and the segments. The
+        checks copy the segments to the host and test every slot a query reads (device syncs).
+    """
+    if min(num_q_heads, num_kv_heads, head_dim) <= 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads}), "
+            f"head_dim ({head_dim}) positive"
+        )
+    check_batch_tables(req_to_token, segments)
+    segs = check_batch(req_to_token, segments, num_tokens, num_slots)
+    device = req_to_token.device
+    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, device.type == "cpu")
+    return RaggedPlan(req_to_token, segments, device, num_tokens, num_slots, blocks,
+                      _query_tiles(segs, blocks, device))
+
+
+def _check_plan(plan: RaggedPlan, q, k_buffer, req_to_token, segments) -> None:
+    """That ``plan`` fits this layer's call: cheap checks only, no device sync."""
+    if not isinstance(plan, RaggedPlan):
+        raise ValueError(f"plan must be a RaggedPlan, got {type(plan).__name__}")
+    if req_to_token is not plan.req_to_token or segments is not plan.segments:
+        raise ValueError("plan was built for other req_to_token or segments tensors: build one plan per batch")
+    if q.device != plan.device:
+        raise ValueError(f"q is on {q.device} but the plan on {plan.device}")
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} query rows but q has {q.shape[0]}")
+    if k_buffer.shape[0] < plan.num_slots:
+        raise ValueError(
+            f"k_buffer has {k_buffer.shape[0]} slots, fewer than the {plan.num_slots} the plan "
+            f"checked req_to_token against"
+        )
+    head_dim, group = q.shape[2], q.shape[1] // k_buffer.shape[1]
+    blocks = ragged_attention_blocks(head_dim, group, q.device.type == "cpu")
+    if blocks != plan.blocks:
+        raise ValueError(
+            f"plan's tiles {plan.blocks} do not fit head_dim {head_dim} with {group} q heads per kv "
+            f"head, which need {blocks}"
+        )
+
+
 def ragged_prefill_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -338,6 +432,7 @@ def ragged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    plan: RaggedPlan | None = None,
 ):
     """Causal prefill attention by ABSOLUTE position over a token-indexed KV pool, one launch.
 
@@ -353,26 +448,37 @@ def ragged_prefill_attention(
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp (natural log) of the scaled scores.
         out, lse_out: optional preallocated ``[T, Hq, D]`` (q's dtype) and ``[T, Hq]`` fp32 outputs.
+        plan: ``plan_ragged_prefill(req_to_token, segments, ...)`` of this batch, shared by its
+            layers: then the call skips the per-batch checks and tile construction, and only
+            checks that the plan fits (same ``req_to_token`` and ``segments`` objects, q's rows,
+            device and tile sizes, a pool of at least the plan's ``num_slots`` rows).
 
     Returns:
         ``o`` ``[T, Hq, D]`` in q's dtype, and ``lse`` ``[T, Hq]`` fp32 when ``return_lse``.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or strides, segments that overlap, leave rows
-        uncovered or run past q or ``req_to_token``, or slots outside the pool. Validation copies
-        the segments to the host (one sync) and checks every slot a query can read.
+        uncovered or run past q or ``req_to_token``, or slots outside the pool; a plan that does
+        not fit. Without a plan, validation copies the segments to the host and checks every slot
+        a query can read (device syncs on every call).
     """
-    segs, sm_scale = check_ragged_inputs(q, k_buffer, v_buffer, req_to_token, segments, sm_scale)
+    sm_scale = check_layer_inputs(q, k_buffer, v_buffer, sm_scale)
     num_tokens, num_q_heads, head_dim = q.shape
+    if plan is None:
+        check_batch_tables(req_to_token, segments, q.device)
+        plan = plan_ragged_prefill(
+            req_to_token, segments, num_tokens=num_tokens, num_slots=k_buffer.shape[0],
+            num_q_heads=num_q_heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim,
+        )
+    else:
+        _check_plan(plan, q, k_buffer, req_to_token, segments)
     out = _checked_output(out, "out", (num_tokens, num_q_heads, head_dim), q.dtype, q.device)
     if return_lse:
         lse_out = _checked_output(lse_out, "lse_out", (num_tokens, num_q_heads), torch.float32, q.device)
     if num_tokens > 0:
         _check_backend(q.device)
-        blocks = ragged_attention_blocks(head_dim, num_q_heads // k_buffer.shape[1], q.device.type == "cpu")
-        tiles = _query_tiles(segs, blocks, q.device)
-        _launch_ragged_prefill(q, k_buffer, v_buffer, req_to_token, tiles, sm_scale, out,
-                               lse_out if return_lse else None, blocks, autotune=_is_hopper(q.device))
+        _launch_ragged_prefill(q, k_buffer, v_buffer, req_to_token, plan.tiles, sm_scale, out,
+                               lse_out if return_lse else None, plan.blocks, autotune=_is_hopper(q.device))
     return (out, lse_out) if return_lse else out
 
 

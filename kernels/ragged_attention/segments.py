@@ -85,56 +85,84 @@ def check_ragged_inputs(q, k_buffer, v_buffer, req_to_token, segments, sm_scale)
     Returns ``(segs, sm_scale)``: the segments as int64 numpy ``[N, 4]`` (a host copy: one device
     sync) and the softmax scale as a float.
     """
-    tensors = {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "req_to_token": req_to_token,
-               "segments": segments}
+    sm_scale = check_layer_inputs(q, k_buffer, v_buffer, sm_scale)
+    check_batch_tables(req_to_token, segments, q.device)
+    segs = check_batch(req_to_token, segments, q.shape[0], k_buffer.shape[0])
+    return segs, sm_scale
+
+
+def check_layer_inputs(q, k_buffer, v_buffer, sm_scale) -> float:
+    """Checks of one layer's ``q`` ``[T, Hq, D]`` and pool ``[S, Hkv, D]`` (types, dtypes,
+    devices, shapes, strides) and of ``sm_scale``; no device sync. Returns the scale as a float."""
+    tensors = {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer}
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    for name in ("q", "k_buffer", "v_buffer"):
-        if tensors[name].dim() != 3:
-            raise ValueError(f"{name} must be 3-D, got shape {tuple(tensors[name].shape)}")
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be 3-D, got shape {tuple(tensor.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported; use one of {SUPPORTED_DTYPES}")
     for name in ("k_buffer", "v_buffer"):
         if tensors[name].dtype != q.dtype:
             raise ValueError(f"{name} dtype {tensors[name].dtype} differs from q dtype {q.dtype}")
-    for name in ("req_to_token", "segments"):
-        if tensors[name].dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {tensors[name].dtype}")
-    for name, tensor in tensors.items():
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}")
+        if tensors[name].device != q.device:
+            raise ValueError(f"{name} is on {tensors[name].device} but q is on {q.device}")
 
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_slots, num_kv_heads, kv_dim = k_buffer.shape
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads, kv_dim = k_buffer.shape[1:]
     if v_buffer.shape != k_buffer.shape:
         raise ValueError(f"v_buffer shape {tuple(v_buffer.shape)} != k_buffer shape {tuple(k_buffer.shape)}")
     if kv_dim != head_dim:
         raise ValueError(f"k_buffer head_dim {kv_dim} != q head_dim {head_dim}")
     if head_dim == 0 or num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads})")
-    for name in ("q", "k_buffer", "v_buffer"):
-        if tensors[name].stride(2) != 1:
-            raise ValueError(f"{name} needs a unit stride on head_dim, got strides {tensors[name].stride()}")
-    if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
-        raise ValueError(
-            f"req_to_token must be 2-D with unit column stride, got shape {tuple(req_to_token.shape)} "
-            f"strides {req_to_token.stride()}"
-        )
+    for name, tensor in tensors.items():
+        if tensor.stride(2) != 1:
+            raise ValueError(f"{name} needs a unit stride on head_dim, got strides {tensor.stride()}")
 
     if sm_scale is None:
         sm_scale = head_dim**-0.5
     sm_scale = float(sm_scale)
     if not (math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+    return sm_scale
 
+
+def check_batch_tables(req_to_token, segments, device: torch.device | None = None) -> None:
+    """Types, dtypes, device and layout of ``req_to_token`` (int32 ``[R, max_len]``, unit column
+    stride) and ``segments`` (int32 ``[N, 4]``), both on ``device`` (default: the table's); no
+    device sync."""
+    tensors = {"req_to_token": req_to_token, "segments": segments}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    device = req_to_token.device if device is None else device
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, not on {device} with the other inputs")
+    if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError(
+            f"req_to_token must be 2-D with unit column stride, got shape {tuple(req_to_token.shape)} "
+            f"strides {req_to_token.stride()}"
+        )
     if segments.dim() != 2 or segments.shape[1] != 4:
         raise ValueError(f"segments must have shape [N, 4], got {tuple(segments.shape)}")
+
+
+def check_batch(req_to_token: torch.Tensor, segments: torch.Tensor, num_tokens: int, num_slots: int) -> np.ndarray:
+    """The per-batch checks: ``segments`` cover ``num_tokens`` query rows exactly once and stay in
+    ``req_to_token``, and every slot a query reads is in ``[0, num_slots)``.
+
+    Returns the segments as int64 numpy ``[N, 4]``. Costs two device syncs on a GPU (the copy of
+    the segments to the host and the slot-range check), hence ``RaggedPlan`` to run it once per batch.
+    """
     segs = segments_to_numpy(segments)
     num_req_rows, max_len = req_to_token.shape
     check_segments(segs, num_tokens, num_req_rows, max_len)
     _check_slots(req_to_token, segs, num_slots)
-    return segs, sm_scale
+    return segs
 
 
 def _check_slots(req_to_token: torch.Tensor, segs: np.ndarray, num_slots: int) -> None:

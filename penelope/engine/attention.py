@@ -6,7 +6,9 @@ ragged prefill attention over all segments (`attend`), reading every key through
 
 - "naive": an indexed copy into the pool and `aligned_ragged_attention`, a torch fp32 path
   that, like the kernel, tiles queries at absolute positions, so it is batch-invariant;
-- "triton": the kernel package's `store_kv` and `ragged_prefill_attention`.
+- "triton": the kernel package's `store_kv` and `ragged_prefill_attention`, with one
+  `plan_ragged_prefill` per forward batch, so the kernel's checks of the batch (device syncs)
+  and its query tiles are done once, not once per layer.
 
 Why not the kernel package's `naive_ragged_prefill_attention`: it is the kernel's reference for
 values, but it cuts queries per segment, so a query's rounding depends on the segment it sits
@@ -28,6 +30,7 @@ _KERNEL_MODULE = "penelope.kernels.ragged_attention"
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 AttendFn = Callable[..., torch.Tensor]
+PlanFn = Callable[..., object]
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,23 @@ class AttentionBackend:
     `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]` rows
     `(req_row, q_start, pos_start, length)`; returns `o` `[T, Hq, D]` where the query at absolute
     position p attends to the keys at positions 0..p of its request, read from the pool.
+    `plan(req_to_token, segments, *, num_tokens, num_slots, num_q_heads, num_kv_heads, head_dim)`
+    (optional): the per-batch work of `attend`, done once per forward batch; its result goes to
+    every layer's `attend` as `plan=`.
     """
 
     name: str
     store_kv: StoreFn
     attend: AttendFn
+    plan: PlanFn | None = None
+
+    def attend_kwargs(self, req_to_token: torch.Tensor, segments: torch.Tensor, **shape: int) -> dict:
+        """Extra keyword arguments of `attend` for every layer of one batch: `{"plan": ...}`,
+        planned here once, or none. `shape`: `num_tokens`, `num_slots`, `num_q_heads`,
+        `num_kv_heads`, `head_dim`, as `plan` takes them."""
+        if self.plan is None:
+            return {}
+        return {"plan": self.plan(req_to_token, segments, **shape)}
 
 
 def _kernel_function(name: str) -> Callable:
@@ -122,14 +137,18 @@ def _triton_store_kv(k_buffer, v_buffer, slots, k, v):
     _kernel_function("store_kv")(k_buffer, v_buffer, slots, k, v)
 
 
-def _triton_attend(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None):
+def _triton_plan(req_to_token, segments, **shape):
+    return _kernel_function("plan_ragged_prefill")(req_to_token, segments, **shape)
+
+
+def _triton_attend(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None, plan=None):
     fn = _kernel_function("ragged_prefill_attention")
-    return fn(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=sm_scale)
+    return fn(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=sm_scale, plan=plan)
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "naive": AttentionBackend("naive", torch_store_kv, aligned_ragged_attention),
-    "triton": AttentionBackend("triton", _triton_store_kv, _triton_attend),
+    "triton": AttentionBackend("triton", _triton_store_kv, _triton_attend, _triton_plan),
 }
 
 

@@ -212,6 +212,11 @@ class Qwen3Decoder:
         req_to_token = batch.req_to_token.to(device)
         segments = batch.segments.to(device)
         cfg = self.config
+        # The backend's per-batch work (the kernel's checks and query tiles) runs once, not per layer.
+        attend_kwargs = self.attention.attend_kwargs(
+            req_to_token, segments, num_tokens=batch.num_tokens, num_slots=pool.capacity,
+            num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        )
 
         hidden = self.weights.embed[batch.tokens.to(device)]
         for index, lw in enumerate(self.weights.layers):
@@ -220,7 +225,7 @@ class Qwen3Decoder:
             # Store first: a query may read keys written by another segment of this batch.
             self.attention.store_kv(k_buffer, v_buffer, slots, k, v)
             attn = self.attention.attend(
-                q, k_buffer, v_buffer, req_to_token, segments, sm_scale=self.sm_scale
+                q, k_buffer, v_buffer, req_to_token, segments, sm_scale=self.sm_scale, **attend_kwargs
             ).reshape(-1, cfg.q_size)
             (hidden,) = self._rowwise(lambda h, a, lw=lw: (self._mlp_block(lw, h, a),), hidden, attn)
         (hidden,) = self._rowwise(
