@@ -70,10 +70,10 @@ class MatchResult:
 class LockHandle:
     """A lock on one matched root path; `unlock` it exactly once."""
 
-    __slots__ = ("node", "active", "owner")
+    __slots__ = ("node", "active", "owner", "match")
 
-    def __init__(self, node: Node, owner: KVCache):
-        self.node, self.active, self.owner = node, True, owner
+    def __init__(self, node: Node, owner: KVCache, match: MatchResult):
+        self.node, self.active, self.owner, self.match = node, True, owner, match
 
 
 @dataclass(frozen=True)
@@ -210,18 +210,24 @@ class KVCache:
             raise UsageError("stale match: the cache evicted since this match; match again, then lock")
         node = match.handle
         self.tree.lock(node, +1)
-        handle = LockHandle(node, self)
+        handle = LockHandle(node, self, match)
         self._locks.add(handle)
         self._record(match)
         return handle
 
-    def unlock(self, handle: LockHandle) -> None:
-        """Release a lock taken by `lock`; a second unlock of the same handle raises."""
+    def unlock(self, handle: LockHandle, admitted: bool = True) -> None:
+        """Release a lock taken by `lock`; a second unlock of the same handle raises.
+
+        `admitted=False`: the request was not served after all (its allocation failed); the
+        statistics `lock` counted for it are taken back, so a request retried later is counted
+        once."""
         if not isinstance(handle, LockHandle) or handle.owner is not self:
             raise UsageError("unlock() takes a handle returned by this cache's lock()")
         if not handle.active:
             raise UsageError("this handle is already unlocked")
         handle.active = False
+        if not admitted:
+            self._record(handle.match, sign=-1)
         self._locks.discard(handle)
         self.tree.lock(handle.node, -1)
         if handle.node is not self.tree.root:
@@ -375,18 +381,18 @@ class KVCache:
             known += 1
         return matched + known * bs
 
-    def _record(self, match: MatchResult) -> None:
+    def _record(self, match: MatchResult, sign: int = 1) -> None:
+        """Count an admitted request's tokens and costs in `stats` (`sign=-1` takes them back)."""
         stats = self.stats
-        stats.requests += 1
-        stats.hit_tokens += match.hit_tokens
-        stats.missed_tokens += match.n_tokens - match.hit_tokens
-        stats.hole_tokens += sum(end - start for start, end in match.holes)
-        stats.recomputed_tokens += sum(end - start for start, end in match.recomputed)
+        stats.requests += sign
+        stats.hit_tokens += sign * match.hit_tokens
+        stats.missed_tokens += sign * (match.n_tokens - match.hit_tokens)
+        stats.hole_tokens += sign * sum(end - start for start, end in match.holes)
+        stats.recomputed_tokens += sign * sum(end - start for start, end in match.recomputed)
         if self.cost_model is not None:
             computed = match.holes + [(match.compute_from, match.n_tokens)]
-            stats.missed_cost += sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
-            stats.recomputed_cost += sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
-
+            stats.missed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
+            stats.recomputed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
 
 def _count(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:

@@ -139,7 +139,7 @@ def plan_request(cache: KVCache, tokens) -> RequestPlan:
         loaded = _load(cache, handle, match.loads)
         owned = cache.alloc(sum(end - start for start, end in computed))
     except Exception:
-        cache.unlock(handle)
+        cache.unlock(handle, admitted=False)
         raise
     for span in loaded.spans:
         slots[span.start : span.end] = span.slots

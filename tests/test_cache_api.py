@@ -1,6 +1,8 @@
 """KVCache API: match, insert, statistics, bad input, and the invariant checks themselves."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from cache_helpers import request_slots, serve, shape
@@ -138,6 +140,19 @@ def test_stats_count_hits_misses_and_recomputed_tokens_with_costs():
     assert 0 < stats.hit_rate < 1
 
 
+def test_a_request_that_is_not_admitted_is_not_counted():
+    cache = KVCache(256, block_size=BS, cost_model=SumOfPositions())
+    a = tokens(100, 16)
+    serve(cache, a)
+    before = dataclasses.replace(cache.stats)
+    handle = cache.lock(cache.match(np.concatenate([a, [7, 7]])))
+    assert cache.stats.requests == before.requests + 1
+    # Its allocation failed: the scheduler gives the lock back and will retry later.
+    cache.unlock(handle, admitted=False)
+    assert cache.stats == before
+    cache.check_invariants()
+
+
 def test_stats_recognize_tokens_the_policy_deleted():
     cache = KVCache(256, block_size=BS, policy="sglang", cost_model=SumOfPositions())
     a = tokens(100, 16)
@@ -154,9 +169,10 @@ def test_stats_recognize_tokens_the_policy_deleted():
 
 
 def test_stats_with_the_real_cost_model():
-    costmodel = pytest.importorskip("penelope.costmodel")
-    models = pytest.importorskip("penelope.models")
-    cm = costmodel.CostModel(models.get_model("qwen3-8b"))
+    from penelope.costmodel import CostModel
+    from penelope.models import get_model
+
+    cm = CostModel(get_model("qwen3-8b"))
     cache = KVCache(256, block_size=BS, cost_model=cm)
     a = tokens(100, 16)
     serve(cache, a)

@@ -195,7 +195,7 @@ class Scheduler:
             loads = cache.load(handle) if to_load else None
             fresh = cache.alloc(need)
         except CacheFullError:
-            cache.unlock(handle)
+            cache.unlock(handle, admitted=False)
             return None
         slots = np.empty(n, dtype=np.int64)
         used = 0
