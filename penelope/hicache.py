@@ -30,12 +30,11 @@ import heapq
 
 import numpy as np
 
-from penelope.cache import EvictResult, KVCache, LockHandle, _count
-from penelope.errors import CacheFullError, InvariantError, UsageError
+from penelope.cache import KVCache, LockHandle, _count
+from penelope.errors import CacheFullError, InvariantError
 from penelope.tiers import HostTier, LoadResult, TierPlan, _cat, loaded_spans
 from penelope.tree import BlockState, Node, RadixTree, Released
 
-_EMPTY = np.empty(0, dtype=np.int64)
 _CPU = int(BlockState.CPU)
 
 
@@ -77,26 +76,6 @@ class HiCacheLikeCache(HostTier, KVCache):
         """Host tokens holding copies of GPU-resident nodes."""
         return sum(len(copy) for copy in self.tree.backup.values())
 
-    def alloc(self, n_tokens: int) -> np.ndarray:
-        """`n_tokens` free GPU slots; device eviction (demote or delete LRU device leaves) first."""
-        n = _count(n_tokens, "n_tokens")
-        if n > self.capacity:
-            raise UsageError(f"cannot allocate {n} slots in a GPU tier of {self.capacity} tokens")
-        self._device_room(n)
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise InvariantError(f"device eviction freed too little for {n} slots")
-        return slots
-
-    def evict(self, n_tokens: int) -> EvictResult:
-        """Free at least `n_tokens` GPU slots by device eviction, or as many as are unlocked."""
-        n = min(_count(n_tokens, "n_tokens"), self.tree.evictable_tokens)
-        if n == 0:
-            return EvictResult(0, _EMPTY, [])
-        before = self.free_size()
-        released = self._device_room(before + n)
-        return EvictResult(self.free_size() - before, _cat(released.gpu_slots), released.ranges)
-
     def load(self, handle: LockHandle) -> LoadResult:
         """Load the host-only nodes of the locked path back to the GPU; their host copies stay."""
         self._check_load_handle(handle)
@@ -104,7 +83,7 @@ class HiCacheLikeCache(HostTier, KVCache):
         total = sum(len(node.slots) for node in nodes)
         if not total:
             return LoadResult([], 0, 0)
-        self._device_room(total)
+        self._make_gpu_room(total)
         gpu = self.allocator.alloc(total)
         self.allocator.adopt(gpu)
         host, cursor = [], 0
@@ -166,7 +145,7 @@ class HiCacheLikeCache(HostTier, KVCache):
         if total != self.cpu_capacity:
             raise InvariantError(f"hicache host: free + host-only + backups = {total} != {self.cpu_capacity}")
 
-    def _device_room(self, n: int) -> Released:
+    def _make_gpu_room(self, n: int) -> Released:
         """Evict LRU device leaves, whole nodes, until `n` GPU slots are free."""
         released = Released()
         short = n - self.allocator.free_size()

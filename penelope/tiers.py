@@ -273,6 +273,35 @@ class HostTier:
         plans, self._plans = self._plans, []
         return plans
 
+    def alloc(self, n_tokens: int) -> np.ndarray:
+        """`n_tokens` free GPU slots (int64 [n_tokens]), making room on the GPU first the way the
+        cache does (`_make_gpu_room`). Raises CacheFullError, changing nothing, when not enough
+        unlocked GPU KV exists."""
+        n = _count(n_tokens, "n_tokens")
+        if n > self.capacity:
+            raise UsageError(f"cannot allocate {n} slots in a GPU tier of {self.capacity} tokens")
+        self._make_gpu_room(n)
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise InvariantError(f"making GPU room freed too little for {n} slots")
+        return slots
+
+    def evict(self, n_tokens: int) -> EvictResult:
+        """Free at least `n_tokens` GPU slots (rounded up to blocks) or as many as unlocked GPU KV
+        allows. `freed_tokens` counts GPU tokens freed; `slots` and `ranges` are the deleted ones
+        (KV demoted to the CPU tier is still cached)."""
+        n = _count(n_tokens, "n_tokens")
+        n = min(-(-n // self.block_size) * self.block_size, self.tree.evictable_tokens)
+        if n == 0:
+            return EvictResult(0, _EMPTY, [])
+        before = self.free_size()
+        released = self._make_gpu_room(before + n)
+        return EvictResult(self.free_size() - before, _cat(released.gpu_slots), released.ranges)
+
+    def _make_gpu_room(self, n: int) -> Released:
+        """Demote or delete until at least `n` GPU slots are free; the cache's own order."""
+        raise NotImplementedError
+
     def _check_load_handle(self, handle: LockHandle) -> None:
         if not isinstance(handle, LockHandle) or handle.owner is not self:
             raise UsageError("load() takes a handle returned by this cache's lock()")
@@ -335,32 +364,6 @@ class TwoTierCache(HostTier, KVCache):
     def buffer_slots(self) -> np.ndarray:
         """Host rows of the swap buffer now (int64 [swap_buffer]); they hold no live data."""
         return self.host.buffer_slots.copy()
-
-    def alloc(self, n_tokens: int) -> np.ndarray:
-        """`n_tokens` free GPU slots (int64 [n_tokens]). When the GPU is short, GPU blocks are
-        demoted in the policy's order; when the host has no room for them either, the policy
-        first deletes blocks (of either tier) as the GPU-only cache would. Raises CacheFullError,
-        changing nothing, when not enough unlocked GPU KV exists."""
-        n = _count(n_tokens, "n_tokens")
-        if n > self.capacity:
-            raise UsageError(f"cannot allocate {n} slots in a GPU tier of {self.capacity} tokens")
-        self._make_gpu_room(n)
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise InvariantError(f"demotion freed too little for {n} slots")
-        return slots
-
-    def evict(self, n_tokens: int) -> EvictResult:
-        """Free at least `n_tokens` GPU slots (rounded up to blocks) or as many as unlocked GPU KV
-        allows, by demotion (and deletion where the host is full). `freed_tokens` counts GPU
-        tokens freed; `slots` and `ranges` are the deleted ones (demoted KV is still cached)."""
-        n = _count(n_tokens, "n_tokens")
-        n = min(-(-n // self.block_size) * self.block_size, self.tree.evictable_tokens)
-        if n == 0:
-            return EvictResult(0, _EMPTY, [])
-        before = self.free_size()
-        released = self._make_gpu_room(before + n)
-        return EvictResult(self.free_size() - before, _cat(released.gpu_slots), released.ranges)
 
     def load(self, handle: LockHandle) -> LoadResult:
         """Move the CPU blocks on `handle`'s locked path to the GPU (see the module docstring).
