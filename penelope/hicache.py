@@ -31,7 +31,7 @@ import heapq
 import numpy as np
 
 from penelope.cache import KVCache, LockHandle, _count
-from penelope.errors import CacheFullError, InvariantError
+from penelope.errors import InvariantError
 from penelope.tiers import HostTier, LoadResult, TierPlan, _cat, loaded_spans
 from penelope.tree import BlockState, Node, RadixTree, Released
 
@@ -148,13 +148,9 @@ class HiCacheLikeCache(HostTier, KVCache):
     def _make_gpu_room(self, n: int) -> Released:
         """Evict LRU device leaves, whole nodes, until `n` GPU slots are free."""
         released = Released()
-        short = n - self.allocator.free_size()
+        short = self._gpu_shortfall(n)
         if short <= 0:
             return released
-        if short > self.tree.evictable_tokens:
-            raise CacheFullError(f"need {n} GPU slots: {self.allocator.free_size()} free, "
-                                 f"{self.tree.evictable_tokens} evictable, "
-                                 f"{self.tree.protected_tokens} locked by running requests")
         tree = self.tree
         heap = [(node.last_access, node.id, node) for node in tree.nodes() if self._device_leaf(node)]
         heapq.heapify(heap)

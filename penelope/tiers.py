@@ -302,6 +302,15 @@ class HostTier:
         """Demote or delete until at least `n` GPU slots are free; the cache's own order."""
         raise NotImplementedError
 
+    def _gpu_shortfall(self, n: int) -> int:
+        """GPU slots missing for `n` free ones; CacheFullError when unlocked KV cannot cover them."""
+        short = n - self.allocator.free_size()
+        if short > self.tree.evictable_tokens:
+            raise CacheFullError(f"need {n} GPU slots: {self.allocator.free_size()} free, "
+                                 f"{self.tree.evictable_tokens} evictable, "
+                                 f"{self.tree.protected_tokens} locked by running requests")
+        return short
+
     def _check_load_handle(self, handle: LockHandle) -> None:
         if not isinstance(handle, LockHandle) or handle.owner is not self:
             raise UsageError("load() takes a handle returned by this cache's lock()")
@@ -437,13 +446,9 @@ class TwoTierCache(HostTier, KVCache):
         """Demote (after deleting where the host is full) until `n` GPU slots are free."""
         bs = self.block_size
         released = Released()
-        short = n - self.allocator.free_size()
+        short = self._gpu_shortfall(n)
         if short <= 0:
             return released
-        if short > self.tree.evictable_tokens:
-            raise CacheFullError(f"need {n} GPU slots: {self.allocator.free_size()} free, "
-                                 f"{self.tree.evictable_tokens} evictable, "
-                                 f"{self.tree.protected_tokens} locked by running requests")
         blocks = -(-short // bs)
         excess = blocks - self.host.free_size() // bs
         if excess > 0:
