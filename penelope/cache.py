@@ -26,6 +26,7 @@ from penelope.slots import SlotAllocator
 from penelope.tree import NO_SLOT, BlockState, Node, RadixTree
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_NO_HASHES = np.empty(0, dtype=np.uint64)
 _GPU, _CPU, _MISSING = int(BlockState.GPU), int(BlockState.CPU), int(BlockState.MISSING)
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -92,11 +93,13 @@ class InsertResult:
 @dataclass(frozen=True)
 class EvictResult:
     """`freed_tokens` GPU tokens freed; their `slots`; `ranges` (start, end) of evicted
-    positions, each within one history."""
+    positions, each within one history; `hashes` (uint64) the prefix hashes of the evicted
+    blocks (`RadixTree` block identities, for KV events)."""
 
     freed_tokens: int
     slots: np.ndarray
     ranges: list[tuple[int, int]]
+    hashes: np.ndarray = field(default_factory=lambda: _NO_HASHES)
 
 
 @dataclass
@@ -310,6 +313,48 @@ class KVCache:
             self.allocator.free(returned)
         return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
 
+    def refill(self, handle: LockHandle, start: int, slots) -> np.ndarray:
+        """Make the MISSING blocks of positions [start, start + len(slots)) on `handle`'s locked
+        path GPU-resident with `slots` (`slots[i]` holds position start + i; whole blocks).
+
+        Blocks resident already keep their slots. Returns the path's slots for the range after
+        the call (int64): where they differ from `slots`, the passed slot was not taken and
+        stays the caller's to free."""
+        if not isinstance(handle, LockHandle) or handle.owner is not self or not handle.active:
+            raise UsageError("refill() takes an active handle returned by this cache's lock()")
+        slots = _as_int_array(slots, "slots")
+        bs = self.block_size
+        start = _count(start, "start")
+        end = start + len(slots)
+        if start % bs or end % bs:
+            raise UsageError(f"refill covers whole blocks of {bs} tokens, got [{start}, {end})")
+        path = self.tree.path_to_root(handle.node)
+        if end > (path[-1].end if path else 0):
+            raise UsageError(f"refill [{start}, {end}) runs past the locked path's end")
+        taken = []
+        for node in path:
+            lo, hi = max(start, node.start), min(end, node.end)
+            if lo >= hi:
+                continue
+            blocks = np.arange((lo - node.start) // bs, (hi - node.start) // bs)
+            if (node.state[blocks] == _CPU).any():
+                raise UsageError(f"refill [{start}, {end}) covers blocks on the CPU tier: load them first")
+            blocks = blocks[node.state[blocks] == _MISSING]
+            if len(blocks):
+                where = (node.start - start + blocks[:, None] * bs + np.arange(bs)).ravel()
+                taken.append((node, blocks, slots[where]))
+        new = np.concatenate([s for _, _, s in taken]) if taken else _EMPTY
+        self.allocator.check_outstanding(new)
+        for node, blocks, block_slots in taken:
+            self.tree.refill(node, blocks, block_slots)
+        self.allocator.adopt(new)
+        out = np.empty(len(slots), dtype=np.int64)
+        for node in path:
+            lo, hi = max(start, node.start), min(end, node.end)
+            if lo < hi:
+                out[lo - start:hi - start] = node.slots[lo - node.start:hi - node.start]
+        return out
+
     def evict(self, n_tokens: int) -> EvictResult:
         """Free at least `n_tokens` GPU tokens (rounded up to blocks), or all that are evictable.
         Evicting 0 is always safe."""
@@ -340,7 +385,8 @@ class KVCache:
         self.allocator.release(slots)
         self.stats.evict_calls += 1
         self.stats.evicted_tokens += len(slots)
-        return EvictResult(len(slots), slots, released.ranges)
+        hashes = np.concatenate(released.hashes) if released.hashes else _NO_HASHES
+        return EvictResult(len(slots), slots, released.ranges, hashes)
 
     def _spans(self, path: list[Node]) -> list[Span]:
         """Merge the per-block states of the path into maximal runs of one state."""

@@ -87,12 +87,14 @@ class Node:
 
 @dataclass
 class Released:
-    """What an eviction step freed: slot arrays per tier, position ranges, block count."""
+    """What an eviction step freed: slot arrays per tier, position ranges, block count, and the
+    prefix hashes of the blocks whose last copy was deleted (uint64 arrays)."""
 
     gpu_slots: list[np.ndarray] = field(default_factory=list)
     cpu_slots: list[np.ndarray] = field(default_factory=list)
     ranges: list[tuple[int, int]] = field(default_factory=list)
     blocks: int = 0
+    hashes: list[np.ndarray] = field(default_factory=list)
 
 
 class PrefixHasher:
@@ -426,6 +428,7 @@ class RadixTree:
             out.cpu_slots.append(rows[cpu].ravel())
             self._count(node, 0, -len(cpu) * bs)
         out.blocks += len(blocks)
+        out.hashes.append(node.hashes[blocks])
         node.state[blocks] = _MISSING
         rows[blocks] = NO_SLOT
         node.recount()

@@ -28,6 +28,10 @@ case "$what" in
     pip_install numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
       pyzmq tqdm IPython aiohttp transformers dill apache-tvm-ffi==0.1.11 sentencepiece \
       compressed_tensors gguf openai==2.8.0 partial_json_parser einops
+    # What SGLang's real Engine needs on CPU (scheduler and detokenizer processes, HTTP layer).
+    pip_install uvloop fastapi uvicorn setproctitle interegular python-multipart prometheus-client jsonschema \
+      soundfile \
+      xgrammar==0.2.7
     pip_install -e ".[test,bench,plot]"
     ;;
   *)

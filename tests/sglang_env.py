@@ -58,7 +58,8 @@ class Serving:
     """Pools of `size` token slots (page `page_size`), `rows` request rows, and the cache."""
 
     def __init__(self, size: int, page_size: int = 1, rows: int = 16, max_context: int = 4096,
-                 policy: str = "penelope", phantoms: bool = True, block_size: int | None = None):
+                 policy: str = "penelope", phantoms: bool = True, block_size: int | None = 64,
+                 events: bool = False):
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu",
                                        enable_memory_saver=False)
@@ -70,7 +71,8 @@ class Serving:
         else:
             self.allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.float32, "cpu", self.kv_pool, False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.req_pool,
-                                 token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+                                 token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+                                 enable_kv_cache_events=events)
         self.cache = PenelopeRadixCache(params, PenelopeOptions(policy=policy, block_size=block_size),
                                         phantoms=phantoms)
         self.total = self.allocator.size // page_size * page_size
@@ -85,12 +87,17 @@ class Serving:
         self._next_rid += 1
         return Req(f"r{self._next_rid}", "", array("q", tokens), params, vocab_size=VOCAB)
 
-    def admit(self, token_lists) -> list[Req]:
-        """Match and lock, as PrefillAdder.add_one_req does; the whole prompt is one extend."""
+    def admit(self, token_lists, chunk: int | None = None) -> list[Req]:
+        """Match, plan the refill of any holes (``hooks._admit``: `chunk` tokens of budget, the
+        free request rows) and lock, as PrefillAdder.add_one_req does; the whole prompt from the
+        planned prefix is one extend."""
         reqs = []
+        rows = self.req_pool.available_size()
         for tokens in token_lists:
             req = self.new_request(tokens)
             req.init_next_round_input(self.cache)
+            self.cache.plan_admission(req, chunk, rows)
+            rows -= 1 + len(self.cache.rider_holes(req))
             req.extend_end = len(req.full_untruncated_fill_ids)
             req.lock = self.cache.lock(req.last_node)
             reqs.append(req)
@@ -118,7 +125,6 @@ class Serving:
     def finish(self, batch: ScheduleBatch, keep_running: bool = False) -> None:
         """Result processing: phantoms retired; requests checkpointed (kept running) or released
         with a checkpoint; phantom rows freed."""
-        hooks.retire_phantoms(batch.reqs)
         for req in batch.reqs:
             if req.finished():
                 continue
@@ -140,7 +146,7 @@ class Serving:
     def fits(self, reqs) -> bool:
         """PrefillAdder's memory test: the extends, the phantoms' holes and a page per request
         fit in what is free or evictable once the requests' matches are locked."""
-        need = sum(-(-(r.extend_len + self.cache.hole_tokens(r, r.prefix_len)) // self.page_size)
+        need = sum(-(-(r.extend_len + self.cache.hole_tokens(r)) // self.page_size)
                    * self.page_size + self.page_size for r in reqs)
         return need <= self.allocator.available_size() + self.cache.evictable_size()
 

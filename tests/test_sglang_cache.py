@@ -156,45 +156,37 @@ def test_two_holes_get_two_phantoms_and_later_phantoms_see_earlier_holes():
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_request_ending_without_checkpoint_frees_its_refilled_holes(page):
+def test_refilled_holes_are_the_trees_from_the_link_and_survive_an_abort(page):
     serving = Serving(size=64 * 40, page_size=page)
     system, a, b = two_sessions(serving)
     serving.cache.evict(EvictParams(num_tokens=128))
     [req] = serving.admit([a + [9]])
     batch = serving.build_batch([req])
-    serving.forward(batch)
-    serving.finish(batch, keep_running=True)  # checkpoint: the holes become the tree's
+    # Linked before the forward: the hole is resident (and locked by the request) already.
+    spans = serving.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(a)))).last_device_node.match.spans
+    assert [(s.start, s.end, s.state) for s in spans] == [(0, 512, BlockState.GPU)]
     assert_conserved(serving)
-    serving.release(req, checkpoint=False)
-    assert_conserved(serving)
-    serving.cache.check_invariants()
-
-    serving.cache.evict(EvictParams(num_tokens=10**6))
-    serving.prefill([a + [7]])
-    serving.prefill([b + [8]])
-    serving.cache.evict(EvictParams(num_tokens=128))
-    [req] = serving.admit([a + [9]])
-    batch = serving.build_batch([req])
     serving.forward(batch)
     # Aborted before any checkpoint (SGLang: release_kv_cache(checkpoint=False)).
-    hooks.retire_phantoms(batch.reqs)
     serving.release(req, checkpoint=False)
     hooks.release_phantom_rows(batch.reqs, serving.req_pool)
     serving.rows_held = []
     assert_conserved(serving)
     serving.cache.check_invariants()
+    serving.check_tree_kv()
     assert serving.req_pool.available_size() == 16
 
 
-def test_no_request_rows_for_phantoms_falls_back_to_recomputing_after_the_first_hole():
+def test_no_request_row_for_a_phantom_drops_the_hole_without_chunked_prefill():
     serving = Serving(size=64 * 40, page_size=64, rows=2)
     system, a, b = two_sessions(serving)
     serving.cache.evict(EvictParams(num_tokens=128))
-    [req] = serving.admit([a + [9]])
-    # Two free rows, two requests without rows and one phantom: no row for the phantom.
-    [other] = serving.admit([system + [5]])
-    batch = serving.build_batch([req, other])
-    assert len(batch.reqs) == 2 and req.prefix_len == 128
+    # Two free rows: the first request takes one, the holed one the other, none is left for its
+    # phantom: it computes from its hole on (chunked prefill off, so it cannot go hole-first).
+    other, req = serving.admit([system + [5], a + [9]])
+    assert serving.cache.rider_holes(req) == [] and req.prefix_len == 128
+    batch = serving.build_batch([other, req])
+    assert len(batch.reqs) == 2
     serving.forward(batch)
     serving.check_row(req)
     serving.finish(batch)
@@ -203,18 +195,43 @@ def test_no_request_rows_for_phantoms_falls_back_to_recomputing_after_the_first_
     serving.check_tree_kv()
 
 
-def test_insert_takes_every_slot_and_reports_what_was_cached():
+def test_insert_follows_radix_cache_the_caller_frees_leading_duplicates_and_the_partial_block():
     serving = Serving(size=64 * 8, page_size=1)
     cache, allocator = serving.cache, serving.allocator
     tokens = blocks(1, 2) + [5, 6]
-    slots = allocator.alloc(len(tokens))
-    result = cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots))
+    first = allocator.alloc(len(tokens))
+    result = cache.insert(InsertParams(key=RadixKey(list(tokens)), value=first))
     assert (result.prefix_len, result.total_len) == (0, 128)
     again = allocator.alloc(len(tokens))
     assert cache.insert(InsertParams(key=RadixKey(list(tokens)), value=again)).prefix_len == 128
+    # Nothing of `again` was taken or freed, and the partial block of `first` is still the caller's.
+    held = len(again) + 2
+    assert allocator.available_size() + cache.evictable_size() + held == serving.total
+    allocator.free(again)
+    allocator.free(first[128:])
     assert allocator.available_size() + cache.evictable_size() == serving.total
-    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
-    assert match.device_prefix_len == 128
+    assert cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).device_prefix_len == 128
+    assert cache.insert(InsertParams(key=RadixKey(list(blocks(50, 1))), value=None)).prefix_len == 0
+    assert cache.all_values_flatten().sort().values.tolist() == sorted(first[:128].tolist())
+    cache.check_invariants()
+
+
+def test_insert_refuses_slots_in_the_wrong_state_and_changes_nothing():
+    serving = Serving(size=64 * 8, page_size=1)
+    cache, allocator = serving.cache, serving.allocator
+    held = allocator.alloc(64)
+    cache.insert(InsertParams(key=RadixKey(list(blocks(1, 1))), value=held))
+    twice = allocator.alloc(64)
+    twice[5] = twice[9]
+    before = (allocator.available_size(), cache.evictable_size())
+    never = torch.arange(300, 364)  # still on SGLang's free list
+    with pytest.raises(UsageError, match="passed twice"):
+        cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=twice))
+    with pytest.raises(UsageError, match="already held by the cache"):
+        cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=held))
+    with pytest.raises(UsageError, match="never allocated"):
+        cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=never))
+    assert (allocator.available_size(), cache.evictable_size()) == before
     cache.check_invariants()
 
 
@@ -229,10 +246,27 @@ def test_bad_configuration_is_refused():
         PenelopeRadixCache(params)
 
 
-def test_namespaced_keys_are_never_cached():
+def test_namespaced_keys_are_cached_in_their_own_namespace():
     serving = Serving(size=64 * 8, page_size=1)
-    key = RadixKey(list(blocks(1, 2)), extra_key="lora-a")
-    assert serving.cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len == 0
+    tokens = list(blocks(1, 2))
+    slots = serving.allocator.alloc(128)
+    serving.cache.insert(InsertParams(key=RadixKey(tokens, extra_key="lora-a"), value=slots))
+
+    def hit(**namespace) -> int:
+        return serving.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, **namespace))).device_prefix_len
+
+    assert hit(extra_key="lora-a") == 128
+    assert hit() == hit(extra_key="lora-b") == hit(extra_key="lora-a", cache_salt="s") == 0
+    other = serving.allocator.alloc(128)
+    serving.cache.insert(InsertParams(key=RadixKey(tokens, cache_salt="s"), value=other))
+    assert hit(cache_salt="s") == 128 and hit() == 0
+    serving.cache.check_invariants()
+
+
+def test_by_default_a_block_is_one_sglang_page():
+    for page in PAGES:
+        serving = Serving(size=64 * 8, page_size=page, block_size=None)
+        assert serving.cache.block_size == page
 
 
 @st.composite

@@ -1,5 +1,5 @@
-"""The phantom-request hooks on SGLang 0.5.23's real PrefillAdder, Req and ScheduleBatch (CPU)."""
-import inspect
+"""The refill hooks around SGLang 0.5.23's real PrefillAdder, Req and ScheduleBatch (CPU), one by
+one. ``tests/test_sglang_engine.py`` runs them inside SGLang's real scheduler loop."""
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +20,15 @@ def _config():
 
 
 @pytest.fixture
+def budget_hooks(monkeypatch):
+    """PrefillAdder's budget methods with Penelope's hooks around them, as HookRegistry does."""
+    for name, hook in (("_request_slot_reserve_for_req", hooks._reserve_hole_slots),
+                       ("_replay_len", hooks._charge_hole_compute)):
+        original = getattr(PrefillAdder, name)
+        monkeypatch.setattr(PrefillAdder, name, lambda self, *a, _o=original, _h=hook, **k: _h(_o, self, *a, **k))
+
+
+@pytest.fixture
 def holed():
     """Serving whose session A (2 shared + 6 private blocks) lost its first 2 private blocks."""
     serving = Serving(size=64 * 40, page_size=64)
@@ -31,31 +40,32 @@ def holed():
     return serving, a + blocks(9000, 1) + [9]
 
 
-def admit_with(serving, tokens):
-    """A real PrefillAdder admission of one request, with or without the budget hooks."""
-    adder = PrefillAdder(64, serving.cache, serving.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 8192)
+def new_adder(serving, chunk: int | None = 8192) -> PrefillAdder:
+    return PrefillAdder(64, serving.cache, serving.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, chunk)
+
+
+def admit(serving, adder, tokens, has_chunked_req=False):
     req = serving.new_request(tokens)
     req.init_next_round_input(serving.cache)
-    assert adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
-    return adder, req
+    return req, hooks._admit(PrefillAdder.add_one_req, adder, req, has_chunked_req, None)
 
 
-def test_admission_charges_the_phantom_tokens(holed, monkeypatch):
+def test_riders_are_charged_to_the_budgets(holed, budget_hooks):
     serving, tokens = holed
-    plain, plain_req = admit_with(serving, tokens)
+    plain = new_adder(serving)
+    plain_req = serving.new_request(tokens)
+    plain_req.init_next_round_input(serving.cache)
+    PrefillAdder.add_one_req(plain, plain_req, False, None)  # SGLang's own admission, no refill plan
     serving.cache.unlock(plain_req.lock)
-    for name, hook in (("_request_slot_reserve_for_req", hooks._reserve_hole_slots),
-                       ("_replay_len", hooks._charge_hole_compute)):
-        original = getattr(PrefillAdder, name)
-        monkeypatch.setattr(PrefillAdder, name,
-                            lambda self, *a, _o=original, _h=hook, **k: _h(_o, self, *a, **k))
-    adder, req = admit_with(serving, tokens)
+    adder = new_adder(serving)
+    req, result = admit(serving, adder, tokens)
+    assert result == AddReqResult.CONTINUE and serving.cache.rider_holes(req) == [(128, 256)]
     assert req.prefix_len == 512 and req.extend_end == len(tokens)
     assert adder.log_replay_tokens - plain.log_replay_tokens == 128
     assert plain.rem_chunk_tokens - adder.rem_chunk_tokens == 128
     assert plain.rem_input_tokens - adder.rem_input_tokens == 128
     assert adder.memory_budget.total_offset - plain.memory_budget.total_offset == 128
-    # The admitted request runs with its phantom exactly as the scheduler would run it.
+    assert getattr(adder, hooks._RIDER_ROWS) == 1 and hooks.free_rows_for(adder) == 16 - 2
     batch = serving.build_batch(adder.can_run_list)
     serving.forward(batch)
     serving.check_row(req)
@@ -64,58 +74,98 @@ def test_admission_charges_the_phantom_tokens(holed, monkeypatch):
     serving.cache.check_invariants()
 
 
-def test_phantom_computes_the_hole_at_its_original_positions(holed):
+def test_a_hole_larger_than_the_chunk_is_computed_hole_first_then_jumped_past(holed, budget_hooks):
+    serving, tokens = holed
+    adder = new_adder(serving, chunk=128)
+    req, _ = admit(serving, adder, tokens)
+    # Hole [128, 256) and a page of new tokens do not fit 128: the request computes its hole.
+    assert serving.cache.rider_holes(req) == []
+    assert (req.prefix_len, req.extend_end) == (128, 256) and adder.new_chunked_req is req
+    assert adder.rem_chunk_tokens == 0
+    batch = serving.build_batch(adder.can_run_list)
+    assert batch.reqs == [req]
+    serving.forward(batch)
+    serving.check_row(req)
+    serving.finish(batch, keep_running=True)  # SGLang stashes the chunk: checkpoint
+    assert req.prefix_len == 256 and serving.cache.chunk_refill_tokens == 128
+    # The next chunk jumps over the resident [256, 512) and computes the new tokens.
+    following = new_adder(serving, chunk=128)
+    req.init_next_round_input()
+    assert hooks._continue_chunk(PrefillAdder.add_chunked_req, following, req) is None
+    assert req.prefix_len == 512 and req.extend_end == len(tokens)
+    assert req.kv.cache_protected_len == req.kv.kv_allocated_len == 512
+    batch = serving.build_batch([req])
+    serving.forward(batch)
+    serving.check_row(req)
+    serving.running.remove(req)
+    serving.finish(batch)
+    assert serving.accounting()[0] == serving.total
+    serving.cache.check_invariants()
+    serving.check_tree_kv()
+
+
+def test_budget_left_beside_a_continuing_chunk_admits_only_whole_requests(holed, budget_hooks):
+    serving, tokens = holed
+    adder = new_adder(serving, chunk=128)
+    long, result = admit(serving, adder, blocks(1000, 2) + blocks(7000, 3), has_chunked_req=True)
+    assert result == AddReqResult.OTHER and adder.can_run_list == []
+    short, result = admit(serving, adder, blocks(1000, 2) + [3, 4], has_chunked_req=True)
+    assert adder.can_run_list == [short] and adder.new_chunked_req is None
+
+
+def test_a_phantom_is_created_finished_and_sglang_filters_it(holed):
     serving, tokens = holed
     [req] = serving.admit([tokens])
-    [phantom] = [hooks.make_phantom(req, start, end) for start, end in req.last_node.holes]
-    assert hooks.is_phantom(phantom) and not hooks.is_phantom(req)
+    [phantom] = [hooks.make_phantom(req, start, end) for start, end in serving.cache.rider_holes(req)]
+    assert hooks.is_phantom(phantom) and not hooks.is_phantom(req) and phantom.finished()
     assert list(phantom.full_untruncated_fill_ids) == tokens[:256]
     assert (phantom.prefix_len, phantom.extend_end, phantom.extend_len) == (128, 256, 128)
     assert phantom.last_node is req.last_node and phantom.logprob_start_len == -1
-    assert phantom.rid == f"{req.rid}.penelope-hole-128-256"
+    batch = serving.build_batch([req])
+    assert [hooks.is_phantom(r) for r in batch.reqs] == [True, False]
+    # SGLang's own filter (before merging a prefill batch into the running one) drops it.
+    batch.filter_batch()
+    assert batch.reqs == [req]
 
 
-def test_batch_rows_segments_and_filtering(holed):
+def test_rows_and_segments(holed):
     serving, tokens = holed
-    [req] = serving.admit([tokens])
-    [other] = serving.admit([blocks(1000, 2) + [3, 4, 5]])
+    [req, other] = serving.admit([tokens, blocks(1000, 2) + [3, 4, 5]])
     batch = serving.build_batch([req, other])
     phantom = batch.reqs[0]
-    assert [hooks.is_phantom(r) for r in batch.reqs] == [True, False, False]
     table = serving.req_pool.req_to_token
     assert torch.equal(table[req.kv.req_pool_idx, 128:256], table[phantom.kv.req_pool_idx, 128:256])
-    assert phantom.kv.cache_protected_len == 256  # the hole's slots count as the request's
+    assert phantom.kv.cache_protected_len == 256  # the hole is the tree's, not the phantom's
 
-    def init_new(cls, batch, model_runner, *, capture_hidden_mode=None, return_hidden_states_before_norm):
+    def init_new(cls, batch, model_runner, **kwargs):
         return SimpleNamespace()
 
-    assert list(inspect.signature(init_new).parameters)[:3] == list(
-        inspect.signature(ForwardBatch.init_new.__func__).parameters)[:3]
     forward_batch = hooks._attach_segments(init_new, ForwardBatch, batch, None, return_hidden_states_before_norm=False)
     rows = [r.kv.req_pool_idx for r in batch.reqs]
     extend = len(tokens) - 512
     assert getattr(forward_batch, hooks.SEGMENTS).tolist() == [
         [rows[0], 0, 128, 128], [rows[1], 128, 512, extend], [rows[2], 128 + extend, 128, 3]]
-
-    # Phantoms never join the running batch (SGLang filters last_batch before merging it).
-    hooks._exclude_phantoms(ScheduleBatch.filter_batch, batch, [])
-    assert batch.reqs == [req, other]
+    plain = serving.build_batch(serving.admit([blocks(1000, 2) + [6]]))
+    assert not hasattr(hooks._attach_segments(init_new, ForwardBatch, plain, None), hooks.SEGMENTS)
 
 
-def test_result_processing_skips_phantoms_and_frees_only_their_rows(holed):
+def test_result_processing_frees_only_the_phantoms_rows_and_counts_them(holed):
     serving, tokens = holed
     [req] = serving.admit([tokens])
     batch = serving.build_batch([req])
     serving.forward(batch)
     phantom = batch.reqs[0]
     free_slots, free_rows = serving.allocator.available_size(), serving.req_pool.available_size()
+    before = dict(hooks.COUNTERS)
     seen = []
 
     def process(processor, batch, result):
-        seen.append([(r.finished(), r.finished_output) for r in batch.reqs])
+        seen.append([r.finished() for r in batch.reqs])
 
-    hooks._process_without_phantoms(process, None, batch, None)
-    assert seen == [[(True, True), (False, None)]]
+    hooks._process_prefill(process, None, batch, None)
+    assert seen == [[True, False]]
     assert phantom.kv.req_pool_idx is None and serving.req_pool.available_size() == free_rows + 1
-    assert serving.allocator.available_size() == free_slots  # the hole's slots are the request's
+    assert serving.allocator.available_size() == free_slots  # the hole's slots are the tree's
+    assert hooks.COUNTERS["phantom_tokens"] - before["phantom_tokens"] == 128
+    assert hooks.COUNTERS["prefill_tokens"] - before["prefill_tokens"] == 128 + len(tokens) - 512
     serving.check_row(req)

@@ -23,7 +23,9 @@ def test_options_from_json_override_the_environment():
     options = options_from({"policy": "sglang", "swap_buffer": 2048}, env)
     assert options == PenelopeOptions(policy="sglang", block_size=128, swap_buffer=2048, phantoms=False)
     assert options_from(None, {}) == PenelopeOptions()
-    assert PenelopeOptions().resolved_block_size(1) == 64
+    assert PenelopeOptions().resolved_block_size(1) == 1
+    assert PenelopeOptions().resolved_block_size(64) == 64
+    assert options_from('{"policy": "sglang"}', {}).policy == "sglang"  # the Engine API passes JSON text
     assert PenelopeOptions().resolved_block_size(128) == 128
     assert PenelopeOptions(block_size=128).resolved_block_size(64) == 128
 

@@ -1,37 +1,46 @@
-"""Scheduler hooks that run phantom requests in SGLang 0.5.23 (through ``HookRegistry``).
+"""Scheduler hooks that refill holes in SGLang 0.5.23 (through ``HookRegistry``).
 
 When ``PenelopeRadixCache`` reports a match with holes (missing blocks before the last resident
-span), the request is admitted at the end of that span. These hooks add one prefill-only phantom
-request per hole to the same batch: its prefix is the cached history before the hole, its extend
-is the hole, at the hole's original positions. Every layer stores the whole batch's K/V before
-attention runs, so the real request reads the hole's K/V in the same layer that wrote it (with
-SGLang's Triton backend as with Penelope's ragged kernel).
+span), admission decides how they are refilled (``penelope.refill``, ``plan_admission``):
 
-| target (AROUND hooks)                                   | what the hook adds                          |
+- riders: one prefill-only phantom request per hole joins the request's batch; its prefix is the
+  cached history before the hole, its extend the hole, at the hole's original positions. Every
+  layer stores the whole batch's K/V before attention runs, so the real request reads the hole's
+  K/V in the layer that wrote it (on any attention backend that attends through the request's
+  ``req_to_token`` row).
+- hole-first chunks, when the holes and a page of the request's own tokens do not fit the step's
+  chunk budget or rows run short: the request starts at its first hole, its chunks stop at hole
+  ends, and between chunks it jumps over the resident spans (``continue_chunk``).
+
+| target (AROUND hooks)                                   | what the hook does                          |
 |---------------------------------------------------------|---------------------------------------------|
-| ``PrefillAdder._request_slot_reserve_for_req``          | hole tokens to the request's KV reserve     |
-| ``PrefillAdder._replay_len``                            | hole tokens to the prefill compute budget   |
-| ``ScheduleBatch.init_new``                              | the phantoms, each before its request       |
-| ``ScheduleBatch.prepare_for_extend``                    | phantom slots copied into the request's row |
-|                                                         | (and later phantoms' rows); the cache holds |
-|                                                         | them as the request's until its checkpoint  |
+| ``PrefillAdder.add_one_req``                            | plans the refill against the chunk budget   |
+|                                                         | and the free request rows                   |
+| ``PrefillAdder._request_slot_reserve_for_req``          | rider tokens to the request's KV reserve    |
+| ``PrefillAdder._replay_len``                            | rider tokens to the prefill compute budget  |
+| ``PrefillAdder.add_chunked_req``                        | hole-first jumps; the chunk stops at the    |
+|                                                         | hole's end                                  |
+| ``ScheduleBatch.init_new``                              | the riders, each before its request         |
+| ``ScheduleBatch.prepare_for_extend``                    | riders' slots handed to the tree and linked |
+|                                                         | into the request's row                      |
 | ``ForwardBatch.init_new``                               | ``penelope_segments`` for the attention     |
-| ``ScheduleBatch.filter_batch``                          | phantoms never join the running batch       |
-| ``SchedulerBatchResultProcessor.process_batch_result_prefill`` | phantoms finish unseen (no output,   |
-|                                                         | no checkpoint); their rows, not their KV    |
-|                                                         | slots, are freed                            |
+| ``SchedulerBatchResultProcessor.process_batch_result_prefill`` | riders' rows freed; prefill tokens   |
+|                                                         | counted                                     |
+| ``SchedulerInternalStateController.get_internal_state`` | ``penelope`` counters in get_server_info    |
 
-Every hook passes batches without phantoms (and caches other than Penelope's) straight through.
+A rider is created finished (``PhantomFinished``): SGLang never streams it, never commits its
+output and filters it out of every running batch. Every hook passes other caches' batches and
+requests without holes straight through.
 Not handled: pipeline parallelism, PD disaggregation, speculative decoding, dLLM batches.
 """
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 
 import torch
 from sglang.srt.managers.schedule_batch import BaseFinishReason, Req
+from sglang.srt.managers.schedule_policy import AddReqResult
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from .radix_cache import PenelopeRadixCache
@@ -43,15 +52,25 @@ PHANTOM_OF = "penelope_phantom_of"
 # Attribute on a ForwardBatch holding phantoms: int32 [N, 4] segments (req_row, q_start,
 # pos_start, length), one per request, as `penelope.kernels.ragged_prefill_attention` takes them.
 SEGMENTS = "penelope_segments"
+# Attribute on a new ScheduleBatch until its rows are linked: [(request, its phantoms)].
+_RIDERS = "penelope_riders"
+# Attribute on a PrefillAdder: rows its admitted requests' riders will take.
+_RIDER_ROWS = "penelope_rider_rows"
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _FORWARD = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+
+# Per scheduler process: tokens of every prefill batch (riders included) and of riders alone.
+# `prefill_positions` sums the positions of those tokens: the attention query-key pairs they cost,
+# per layer and head.
+COUNTERS = {"prefill_tokens": 0, "prefill_positions": 0, "prefill_batches": 0, "phantom_tokens": 0, "phantoms": 0}
 
 
 class PhantomFinished(BaseFinishReason):
-    """Finish reason of a phantom: its forward ran, it never had an output."""
+    """Finish reason of a phantom: its forward runs, it never has an output."""
 
     def to_json(self):
         return {"type": "penelope_phantom"}
@@ -63,10 +82,12 @@ def is_phantom(req) -> bool:
 
 def make_phantom(real: Req, start: int, end: int) -> Req:
     """A prefill-only request computing positions [start, end) of `real`'s tokens on top of the
-    cached prefix [0, start) that `real`'s match holds (its lock covers the phantom too)."""
+    cached prefix [0, start) that `real`'s lock holds. Created finished, so SGLang never streams
+    it or lets it decode."""
     tokens = real.full_untruncated_fill_ids[:end]
     phantom = Req(f"{real.rid}.penelope-hole-{start}-{end}", "", tokens, copy.copy(real.sampling_params),
-                  lora_id=real.lora_id, vocab_size=real.vocab_size, eos_token_ids=real.eos_token_ids)
+                  lora_id=real.lora_id, vocab_size=real.vocab_size, eos_token_ids=real.eos_token_ids,
+                  extra_key=real.extra_key)
     phantom.refresh_fill_ids()
     phantom.tokenizer = real.tokenizer
     # -1: no input log-probabilities, so a logprob batch gives the phantom zero logprob rows.
@@ -75,53 +96,113 @@ def make_phantom(real: Req, start: int, end: int) -> Req:
     phantom.extend_end = end
     phantom.last_node = real.last_node
     phantom.kv.cache_protected_len = start
+    phantom.finished_reason = PhantomFinished()
+    phantom.finished_output = True
     setattr(phantom, PHANTOM_OF, real)
     return phantom
 
 
-def with_phantoms(reqs: list, cache: PenelopeRadixCache, req_to_token_pool) -> list:
-    """`reqs` with each request's phantoms inserted before it (a new list). A request whose
-    phantoms would not get request rows gives up its holes (``drop_holes``)."""
-    rows_left = req_to_token_pool.available_size() - sum(r.kv.req_pool_idx is None for r in reqs)
-    out = []
-    for req in reqs:
-        holes = cache.phantom_holes(req)
-        if len(holes) > rows_left:
-            logger.warning("penelope: no request rows for %d phantoms of %s; recomputing after its first hole",
-                           len(holes), req.rid)
-            cache.drop_holes(req)
-            holes = []
-        rows_left -= len(holes)
-        out.extend(make_phantom(req, start, end) for start, end in holes)
-        out.append(req)
-    return out
+def free_rows_for(adder) -> int:
+    """Request rows still free for the next admission of `adder`: the pool's free rows minus the
+    rows its admitted requests and their riders will take."""
+    pool = adder.tree_cache.req_to_token_pool
+    taken = sum(req.kv.req_pool_idx is None for req in adder.can_run_list)
+    return pool.available_size() - taken - getattr(adder, _RIDER_ROWS, 0)
 
 
-def phantom_groups(reqs: list) -> list[tuple[Req, list[Req]]]:
-    """(real request, its phantoms in position order) for every request with phantoms."""
-    groups: dict[int, tuple[Req, list[Req]]] = {}
-    for req in reqs:
-        if is_phantom(req):
-            real = getattr(req, PHANTOM_OF)
-            groups.setdefault(id(real), (real, []))[1].append(req)
-    return [(real, sorted(phantoms, key=lambda p: p.prefix_len)) for real, phantoms in groups.values()]
+def _admit(original, adder, req, has_chunked_req, truncation_align_size):
+    cache = adder.tree_cache
+    if not isinstance(cache, PenelopeRadixCache):
+        return original(adder, req, has_chunked_req, truncation_align_size)
+    plan = cache.plan_admission(req, adder.rem_chunk_tokens, free_rows_for(adder))
+    if has_chunked_req and adder.rem_chunk_tokens is not None and (
+            (plan is not None and plan.hole_first) or _chunk_need(adder, req, cache) > adder.rem_chunk_tokens):
+        # A chunked request continues past this step and SGLang tracks one at a time. Its chunk
+        # may have stopped short at a hole's end, leaving budget SGLang never expects to see
+        # used while a chunk is in flight: admit only what fits whole.
+        return AddReqResult.OTHER
+    if plan is None or plan.first_chunk_end is None:
+        result = original(adder, req, has_chunked_req, truncation_align_size)
+        if plan is not None and plan.riders and adder.can_run_list and adder.can_run_list[-1] is req:
+            setattr(adder, _RIDER_ROWS, getattr(adder, _RIDER_ROWS, 0) + len(plan.riders))
+        return result
+    # Hole-first: the first chunk must end where the first hole ends, never in the resident span
+    # after it. SGLang chunks at rem_chunk_tokens; narrow it for this call and charge the rest.
+    budget = adder.rem_chunk_tokens
+    cap = min(budget, plan.first_chunk_end - plan.compute_from)
+    adder.rem_chunk_tokens = cap
+    try:
+        result = original(adder, req, has_chunked_req, truncation_align_size)
+    finally:
+        adder.rem_chunk_tokens = budget - (cap - adder.rem_chunk_tokens)
+    return adder.budget_state() if adder.can_run_list and adder.can_run_list[-1] is req else result
 
 
-def link_phantom_rows(reqs: list, req_to_token_pool, cache: PenelopeRadixCache) -> None:
-    """After allocation: the slots a phantom got for its hole go into its request's row and into
-    the rows of the request's later phantoms (whose prefixes contain the hole); the request owns
-    them from now on."""
-    table = req_to_token_pool.req_to_token
-    for real, phantoms in phantom_groups(reqs):
-        for i, phantom in enumerate(phantoms):
-            start, end = phantom.prefix_len, phantom.extend_end
-            slots = table[phantom.kv.req_pool_idx, start:end].clone()
-            for req in [real, *phantoms[i + 1:]]:
-                table[req.kv.req_pool_idx, start:end] = slots
-            # The hole's slots are now the request's (counted by the cache until its checkpoint);
-            # SGLang's accounting must not count them for the phantom as well.
-            phantom.kv.cache_protected_len = end
-        cache.hold_refills(real, [(p.prefix_len, p.extend_end) for p in phantoms])
+def _chunk_need(adder, req, cache: PenelopeRadixCache) -> int:
+    """Chunk tokens `req` takes if admitted whole: its page-rounded extend and its riders."""
+    extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+    return adder.ceil_paged_tokens(extend) + cache.hole_tokens(req)
+
+
+def _continue_chunk(original, adder, req):
+    cache = adder.tree_cache
+    if isinstance(cache, PenelopeRadixCache):
+        cap = cache.continue_chunk(req)
+        if cap is not None:
+            limit = adder.chunked_req_limit
+            adder.chunked_req_limit = cap if limit is None else min(limit, cap)
+    return original(adder, req)
+
+
+def _reserve_hole_slots(original, adder, req, *args, **kwargs):
+    reserve = original(adder, req, *args, **kwargs)
+    if isinstance(adder.tree_cache, PenelopeRadixCache):
+        reserve += adder.tree_cache.hole_tokens(req)
+    return reserve
+
+
+def _charge_hole_compute(original, adder, req, prefix_len):
+    replay = original(adder, req, prefix_len)
+    if isinstance(adder.tree_cache, PenelopeRadixCache):
+        replay += adder.tree_cache.hole_tokens(req)
+    return replay
+
+
+def _add_phantoms(original, cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, *args, **kwargs):
+    riders = []
+    if isinstance(tree_cache, PenelopeRadixCache):
+        with_riders = []
+        for req in reqs:
+            holes = tree_cache.rider_holes(req)
+            phantoms = [make_phantom(req, start, end) for start, end in holes]
+            with_riders.extend(phantoms)
+            with_riders.append(req)
+            if phantoms:
+                riders.append((req, phantoms))
+        reqs = with_riders if riders else reqs
+    batch = original(cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, *args, **kwargs)
+    if riders:
+        setattr(batch, _RIDERS, riders)
+    return batch
+
+
+def _link_rows(original, batch):
+    result = original(batch)
+    riders = getattr(batch, _RIDERS, None)
+    if riders:
+        for req, phantoms in riders:
+            batch.tree_cache.link_riders(req, phantoms)
+        setattr(batch, _RIDERS, None)
+    return result
+
+
+def _attach_segments(original, cls, batch, model_runner, **kwargs):
+    forward_batch = original(cls, batch, model_runner, **kwargs)
+    # SGLang hands copies of its batches around: look at the requests, not at batch attributes.
+    if batch.forward_mode.is_extend_without_speculative() and any(map(is_phantom, batch.reqs)):
+        setattr(forward_batch, SEGMENTS, extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                                         batch.req_to_token_pool.req_to_token.device))
+    return forward_batch
 
 
 def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
@@ -133,89 +214,47 @@ def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], 
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
 
 
-def retire_phantoms(reqs: list) -> None:
-    """Mark phantoms finished and already streamed, so result processing skips them."""
-    for req in reqs:
-        if is_phantom(req) and req.finished_reason is None:
-            req.finished_reason = PhantomFinished()
-            req.finished_output = True
-
-
 def release_phantom_rows(reqs: list, req_to_token_pool) -> None:
-    """Give back the phantoms' request rows; their KV slots now belong to the real requests."""
+    """Give back the phantoms' request rows; their KV slots belong to the tree already."""
     for req in reqs:
         if is_phantom(req) and req.kv.req_pool_idx is not None:
             req_to_token_pool.free(req)
             req.kv.mark_kv_released()
 
 
-def _bind(original, args, kwargs) -> inspect.BoundArguments:
-    return inspect.signature(original).bind(*args, **kwargs)
-
-
-def _reserve_hole_slots(original, adder, req, *args, **kwargs):
-    reserve = original(adder, req, *args, **kwargs)
-    if isinstance(adder.tree_cache, PenelopeRadixCache):
-        reserve += adder.tree_cache.hole_tokens(req, req.prefix_len)
-    return reserve
-
-
-def _charge_hole_compute(original, adder, req, prefix_len, *args, **kwargs):
-    replay = original(adder, req, prefix_len, *args, **kwargs)
-    if isinstance(adder.tree_cache, PenelopeRadixCache):
-        replay += adder.tree_cache.hole_tokens(req, prefix_len)
-    return replay
-
-
-def _add_phantoms(original, *args, **kwargs):
-    call = _bind(original, args, kwargs)
-    cache = call.arguments["tree_cache"]
-    if isinstance(cache, PenelopeRadixCache):
-        call.arguments["reqs"] = with_phantoms(call.arguments["reqs"], cache, call.arguments["req_to_token_pool"])
-    return original(*call.args, **call.kwargs)
-
-
-def _link_rows(original, batch, *args, **kwargs):
-    result = original(batch, *args, **kwargs)
-    if isinstance(batch.tree_cache, PenelopeRadixCache) and any(map(is_phantom, batch.reqs)):
-        link_phantom_rows(batch.reqs, batch.req_to_token_pool, batch.tree_cache)
-    return result
-
-
-def _attach_segments(original, *args, **kwargs):
-    forward_batch = original(*args, **kwargs)
-    batch = _bind(original, args, kwargs).arguments["batch"]
-    if batch.forward_mode.is_extend_without_speculative() and any(map(is_phantom, batch.reqs)):
-        device = batch.req_to_token_pool.req_to_token.device
-        setattr(forward_batch, SEGMENTS, extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens, device))
-    return forward_batch
-
-
-def _exclude_phantoms(original, batch, *args, **kwargs):
-    call = _bind(original, (batch, *args), kwargs)
+def _process_prefill(original, processor, batch, result):
+    out = original(processor, batch, result)
+    COUNTERS["prefill_batches"] += 1
+    COUNTERS["prefill_tokens"] += sum(batch.extend_lens)
+    COUNTERS["prefill_positions"] += sum(n * p + n * (n - 1) // 2 for p, n in zip(batch.prefix_lens, batch.extend_lens,
+                                                                                 strict=True))
     phantoms = [req for req in batch.reqs if is_phantom(req)]
-    if phantoms and call.arguments.get("keep_indices") is None:
-        excluded = call.arguments.get("reqs_to_exclude")
-        excluded = [] if excluded is None else [excluded] if isinstance(excluded, Req) else list(excluded)
-        call.arguments["reqs_to_exclude"] = excluded + phantoms
-    return original(*call.args, **call.kwargs)
+    if phantoms:
+        COUNTERS["phantoms"] += len(phantoms)
+        COUNTERS["phantom_tokens"] += sum(req.extend_len for req in phantoms)
+        release_phantom_rows(phantoms, batch.req_to_token_pool)
+    return out
 
 
-def _process_without_phantoms(original, processor, batch, *args, **kwargs):
-    retire_phantoms(batch.reqs)
-    result = original(processor, batch, *args, **kwargs)
-    release_phantom_rows(batch.reqs, batch.req_to_token_pool)
-    return result
+def _report_counters(original, controller, recv_req):
+    out = original(controller, recv_req)
+    state = getattr(out, "internal_state", None)
+    if isinstance(state, dict):
+        cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
+        state["penelope"] = {**COUNTERS, **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
+    return out
 
 
 HOOKS = {
+    f"{_ADDER}.add_one_req": _admit,
+    f"{_ADDER}.add_chunked_req": _continue_chunk,
     f"{_ADDER}._request_slot_reserve_for_req": _reserve_hole_slots,
     f"{_ADDER}._replay_len": _charge_hole_compute,
     f"{_BATCH}.init_new": _add_phantoms,
     f"{_BATCH}.prepare_for_extend": _link_rows,
     f"{_FORWARD}.init_new": _attach_segments,
-    f"{_BATCH}.filter_batch": _exclude_phantoms,
-    f"{_RESULTS}.process_batch_result_prefill": _process_without_phantoms,
+    f"{_RESULTS}.process_batch_result_prefill": _process_prefill,
+    f"{_STATE}.get_internal_state": _report_counters,
 }
 
 

@@ -11,21 +11,25 @@ overrides the variable of the same option:
 | JSON key      | variable               | default    | meaning                                          |
 |---------------|------------------------|------------|--------------------------------------------------|
 | ``policy``    | ``PENELOPE_POLICY``    | penelope   | eviction policy name (``penelope.policy``)       |
-| ``block_size``| ``PENELOPE_BLOCK_SIZE``| 64 (*)     | tokens per cached block, a multiple of the page  |
+| ``block_size``| ``PENELOPE_BLOCK_SIZE``| page size  | tokens per cached block, a multiple of the page  |
 | ``swap_buffer``| ``PENELOPE_SWAP_BUFFER``| 1024     | CPU swap buffer in tokens (two-tier cache only)  |
 | ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
 | ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
 
-(*) 64 when it is a multiple of SGLang's page size, else the page size. ``attention`` is read when
-the plugin loads (before any cache exists), so only its variable counts.
+By default a block is one SGLang page, so the cache keeps what SGLang's own radix cache would keep
+(every token with page size 1, whole pages otherwise). ``attention`` is read when the plugin loads
+(before any cache exists), so only its variable counts.
 """
 from __future__ import annotations
 
+import json
 import logging
 import numbers
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from penelope.errors import UsageError
 from penelope.policy import policy_names
@@ -34,20 +38,20 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "penelope"
 ATTENTION_MODES = ("ragged", "sglang")
-_DEFAULT_BLOCK = 64
 _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
         "attention": "PENELOPE_ATTENTION"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
 
 @dataclass(frozen=True)
 class PenelopeOptions:
     """Options of the ``penelope`` backend, validated on construction (UsageError, one line).
 
-    `block_size` None means "64, or the page size when 64 is not a multiple of it"; sizes are in
-    tokens. `swap_buffer` sizes the CPU swap buffer of the two-tier cache, which this integration
-    does not build yet: it is validated and kept for when it does.
+    `block_size` None means one SGLang page; sizes are in tokens. `swap_buffer` sizes the CPU swap
+    buffer of the two-tier cache, which this integration does not build yet: it is validated and
+    kept for when it does.
     """
 
     policy: str = "penelope"
@@ -76,7 +80,7 @@ class PenelopeOptions:
         """Block size in tokens for SGLang's `page_size`: blocks must hold whole pages, because
         evicting a block hands its pages back to SGLang's allocator."""
         if self.block_size is None:
-            return _DEFAULT_BLOCK if _DEFAULT_BLOCK % page_size == 0 else page_size
+            return page_size
         if self.block_size % page_size:
             raise UsageError(f"penelope: block_size {self.block_size} is not a multiple of SGLang's "
                              f"page size {page_size}")
@@ -92,6 +96,12 @@ def options_from(config: Mapping | None = None, environ: Mapping[str, str] | Non
     for name, variable in _ENV.items():
         if variable in environ:
             values[name] = _parse_env(name, variable, environ[variable])
+    if isinstance(config, str):
+        # The CLI parses the flag's JSON; the Python Engine API passes what it was given.
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"penelope: --radix-eviction-policy-config is not valid JSON ({error})") from None
     if config is not None:
         if not isinstance(config, Mapping):
             raise UsageError(f"penelope: --radix-eviction-policy-config must be a JSON object, got {config!r}")
@@ -106,18 +116,26 @@ def options_from(config: Mapping | None = None, environ: Mapping[str, str] | Non
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group: registers the ``penelope`` radix-cache
-    backend, the phantom-request hooks and, unless ``PENELOPE_ATTENTION=sglang``, the Triton
-    attention backend subclass that runs phantom batches through Penelope's ragged kernel.
+    backend, the scheduler hooks, the start-up check of Penelope's options and, unless
+    ``PENELOPE_ATTENTION=sglang``, the Triton attention backend subclass that runs phantom batches
+    through Penelope's ragged kernel. Never raises: SGLang would log the error and start without
+    the plugin; a bad option stops the server at start-up instead (``check_server_args``).
     Safe to call more than once in a process."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import hooks
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
     hooks.register_hooks()
-    # Validated here so that a bad variable is reported when SGLang starts, not at the first batch.
-    if options_from(None).attention == "ragged":
+    if not any(hook is _check_server_args for _, hook, _ in HookRegistry._hooks.get(_SERVER_ARGS_CHECK, ())):
+        HookRegistry.register(_SERVER_ARGS_CHECK, _check_server_args, HookType.AROUND)
+    try:
+        attention = options_from(None).attention
+    except UsageError:
+        attention = "sglang"  # reported by the start-up check when the backend is selected
+    if attention == "ragged":
         from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
         from .attention import create_penelope_triton_backend
@@ -125,6 +143,34 @@ def register() -> None:
         # Overwrites the "triton" entry: --attention-backend triton then builds the subclass, which
         # hands every batch without phantoms to SGLang's own code.
         register_attention_backend("triton")(create_penelope_triton_backend)
+
+
+def check_server_args(server_args) -> None:
+    """Raise UsageError (one line) for a Penelope configuration the scheduler process would only
+    trip over later: options from ``--radix-eviction-policy-config`` and the environment, a block
+    that does not hold whole pages, features the backend does not support."""
+    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
+        return
+    options = options_from(server_args.radix_eviction_policy_config)
+    for flag, on in (("--enable-hierarchical-cache", server_args.enable_hierarchical_cache),
+                     ("--disable-radix-cache", server_args.disable_radix_cache),
+                     ("speculative decoding", server_args.speculative_algorithm is not None)):
+        if on:
+            raise UsageError(f"penelope: --radix-cache-backend penelope does not support {flag}")
+    if server_args.page_size:
+        options.resolved_block_size(server_args.page_size)
+
+
+def _check_server_args(original, server_args, *args, **kwargs):
+    result = original(server_args, *args, **kwargs)
+    try:
+        check_server_args(server_args)
+    except UsageError as error:
+        if Path(sys.argv[0]).name in ("launch_server.py", "sglang"):
+            # The command line: one line and a non-zero exit, no traceback.
+            raise SystemExit(str(error)) from None
+        raise
+    return result
 
 
 def create_penelope_cache(ctx):

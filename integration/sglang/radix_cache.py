@@ -1,25 +1,29 @@
 """PenelopeRadixCache: SGLang 0.5.23's prefix-cache interface over Penelope's KVCache.
 
-Conversions only: SGLang keys, requests and slot tensors in; Penelope's match, insert, lock and
-evict; SGLang results out. What SGLang's scheduler sees:
+Conversions only: SGLang keys, requests and slot tensors in; Penelope's match, insert, refill,
+lock and evict; SGLang results out. What SGLang's scheduler sees:
 
-- ``match_prefix`` reports ``device_prefix_len``, the position from which the request computes.
-  With phantoms on, that is the end of the last resident span; the missing spans before it
-  (holes) are recomputed by phantom requests that ``hooks.py`` adds to the same batch, and the
-  hole positions of the request's ``req_to_token`` row receive the phantoms' slots. With phantoms
-  off, it is the end of the first resident run: the request recomputes everything after it.
-- ``req.last_node`` holds a ``MatchRef``: the Penelope match, the tokens it was made for and what
-  was reported. Locks taken through it are Penelope lock handles, found again by an id carried in
-  SGLang's lock receipt.
-- SGLang allocates request slots itself. The cache hands slots back to SGLang's allocator when it
-  evicts blocks and when an insert finds blocks already cached (``SGLangSlots``).
-- Hole refills belong to the request until its next checkpoint, although they lie below its
-  ``cache_protected_len``: ``protected_size`` counts them, so SGLang's conservation check
-  (available + evictable + protected + request-owned == total) stays exact, and ``on_release``
-  frees them when the request ends without a checkpoint.
+- ``match_prefix`` reports ``device_prefix_len``, where the request computes from. With phantoms
+  on, that is the end of the last resident span; the missing spans before it (holes) are refilled
+  as ``penelope.refill`` plans at admission (``plan_admission``): by phantom requests riding in
+  the request's batch (``hooks.py``), or by the request itself, chunk by chunk, jumping over the
+  resident spans between holes (``continue_chunk``). With phantoms off, it is the end of the first
+  resident run: the request recomputes everything after it.
+- ``req.last_node`` holds a ``MatchRef``: the Penelope match, the token source it was made for and
+  what was reported. Locks are Penelope lock handles, found again by the id in SGLang's receipt.
+- SGLang allocates slots. The tree takes a request's slots when it inserts or refills blocks and
+  hands slots back to SGLang's allocator when it evicts blocks or drops duplicates
+  (``SGLangSlots``, which refuses a slot passed twice or already held by the tree).
+- A refilled hole belongs to the tree from the moment the phantom's slots are linked into the
+  request's row (before the forward that writes them, as SGLang publishes a chunked request's KV
+  before its chunk has run), so SGLang's conservation check (available + evictable + protected +
+  request-owned == total) holds at every step.
+- Keys in an ``extra_key`` / ``cache_salt`` namespace are cached in a namespace of their own.
 
-Not supported (clear errors or documented fallbacks): EAGLE bigram keys, ``extra_key`` /
-``cache_salt`` namespaces (never cached), HiCache, sliding-window and mamba models, sessions.
+Differences from ``RadixCache`` by design: a reported prefix may contain holes that only a
+phantom or the request's own chunks make resident; ``insert`` frees the duplicates it finds after
+the first hole itself (the caller frees the leading ones, as with ``RadixCache``).
+Not supported (clear errors): EAGLE bigram keys, HiCache, sliding-window and mamba models.
 """
 from __future__ import annotations
 
@@ -47,91 +51,47 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from penelope.cache import KVCache
 from penelope.cache import MatchResult as PenelopeMatch
 from penelope.errors import InvariantError, UsageError
+from penelope.refill import RefillPlan, next_chunk, plan_refill
 from penelope.tree import BlockState
 
+from .events import KVEvents
 from .plugin import PenelopeOptions
+from .slots import SGLangSlots
 
 logger = logging.getLogger(__name__)
 
-# Slot 0 (page 0) is SGLang's padding slot: hole positions of a row hold it until the phantom's
-# slots are copied in, so a missed copy reads padding instead of another request's KV.
+# Slot 0 (page 0) is SGLang's padding slot: hole positions of a row hold it until a phantom's
+# slots are linked in, so a missed link reads padding instead of another request's KV.
 PAD_SLOT = 0
-
-
-class SGLangSlots:
-    """Penelope's slot-allocator interface over SGLang's token-to-KV-pool allocator.
-
-    SGLang's scheduler allocates request slots itself; through this adapter the cache manager
-    returns slots (evicted blocks, duplicates found by an insert) to SGLang's free list. Slots are
-    SGLang's: ``page_size .. (pages + 1) * page_size - 1`` (page 0 is padding)."""
-
-    def __init__(self, allocator):
-        self.sglang = allocator
-        self.page_size = allocator.page_size
-        self.capacity = allocator.size // allocator.page_size * allocator.page_size
-        self.device = torch.device(allocator.device)
-        self._end = self.capacity + self.page_size
-
-    def free_size(self) -> int:
-        return self.sglang.available_size()
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        """`n` slots (int64 [n]) from SGLang's free list, or None; `n` must fill whole pages."""
-        if n % self.page_size:
-            raise UsageError(f"allocate whole pages of {self.page_size} tokens, not {n}")
-        slots = self.sglang.alloc(n)
-        return None if slots is None else slots.to("cpu", torch.int64).numpy()
-
-    def check_outstanding(self, slots: np.ndarray) -> None:
-        """SGLang tracks who holds a slot; only the range can be checked here."""
-        if len(slots) and (int(slots.min()) < self.page_size or int(slots.max()) >= self._end):
-            raise UsageError(f"slots must lie in [{self.page_size}, {self._end}), got "
-                             f"[{int(slots.min())}, {int(slots.max())}]")
-
-    def adopt(self, slots: np.ndarray) -> None:
-        """The tree takes slots a request held: nothing changes on SGLang's side."""
-
-    def free(self, slots: np.ndarray) -> None:
-        self._give_back(slots)
-
-    def release(self, slots: np.ndarray) -> None:
-        self._give_back(slots)
-
-    def check(self, cached: np.ndarray) -> None:
-        """Raise InvariantError if a page the tree holds is on SGLang's free list."""
-        free_pages = self.sglang.get_all_free_pages()
-        if free_pages is None or not len(cached):
-            return
-        pages = np.unique(cached // self.page_size)
-        both = np.intersect1d(pages, free_pages.to("cpu", torch.int64).numpy())
-        if len(both):
-            raise InvariantError(f"page {int(both[0])} is both in the tree and on SGLang's free list")
-
-    def _give_back(self, slots: np.ndarray) -> None:
-        if len(slots):
-            self.sglang.free(torch.from_numpy(np.ascontiguousarray(slots)).to(self.device))
+# Attribute on a Req: its RefillPlan, from admission until its holes are computed.
+REFILL = "penelope_refill"
+# Namespaced token ids are shifted into a range of their own: token + namespace << 32.
+_NS_SHIFT = 32
 
 
 class MatchRef:
     """The node handle SGLang keeps in ``req.last_node``: one Penelope match (None for the root),
-    the block-aligned tokens it was made for, the reported prefix and the holes before it."""
+    the token source and length it was made for, the reported prefix and the holes before it.
 
-    __slots__ = ("match", "tokens", "prefix_len", "holes")
+    The source is SGLang's token array itself (never a copy or a numpy view: a view would pin the
+    growing array), read again only if the match must be redone."""
 
-    def __init__(self, match: PenelopeMatch | None, tokens: np.ndarray, with_holes: bool):
-        self.match = match
-        self.tokens = tokens
+    __slots__ = ("match", "source", "n", "namespace", "prefix_len", "holes")
+
+    def __init__(self, match: PenelopeMatch | None, source=None, n: int = 0, namespace: int = 0,
+                 with_holes: bool = False):
+        self.match, self.source, self.n, self.namespace = match, source, n, namespace
         spans = match.spans if match is not None else []
         if with_holes:
-            self.prefix_len = match.compute_from if match is not None else 0
-            self.holes = list(match.holes) if match is not None else []
+            self.prefix_len = match.compute_from
+            self.holes = list(match.holes)
         else:
             first = spans[0] if spans else None
             self.prefix_len = first.end if first is not None and first.state == BlockState.GPU else 0
             self.holes = []
 
     def slots(self, n: int) -> np.ndarray:
-        """Slots of positions [0, n) (int64 [n], n <= prefix_len); PAD_SLOT at hole positions."""
+        """Slots of positions [0, n) (int64 [n], n <= the matched length); PAD_SLOT at holes."""
         out = np.full(n, PAD_SLOT, dtype=np.int64)
         for span in self.match.spans if self.match is not None else []:
             if span.start >= n:
@@ -149,7 +109,7 @@ class PenelopeRadixCache(BasePrefixCache):
     """Drop-in for SGLang's ``RadixCache(params)`` whose tree and eviction are Penelope's.
 
     `options`: block size, policy (default: from the environment only); `phantoms`: report holes
-    for phantom requests to refill (True only where the hooks of ``hooks.py`` are applied).
+    for phantoms to refill (True only where the hooks of ``hooks.py`` are applied).
     """
 
     # No SGLang sliding window: the scheduler's budget code reads this attribute.
@@ -169,77 +129,126 @@ class PenelopeRadixCache(BasePrefixCache):
         self.block_size = options.resolved_block_size(self.page_size)
         self.slots = SGLangSlots(self.token_to_kv_pool_allocator)
         self.device = self.slots.device
+        self.kv_events = KVEvents(params, self.block_size)
         if params.enable_metrics:
             self.init_metrics_collector()
         self._lock_ids = itertools.count(1)
+        self._namespaces: dict[tuple, int] = {}
+        # Tokens computed by phantoms, and hole tokens computed by their own request's chunks.
+        self.rider_tokens = 0
+        self.chunk_refill_tokens = 0
+        # Tokens a request computed that the tree held already when it checkpointed them.
+        self.duplicate_tokens = 0
         self.reset()
 
     def reset(self):
         """Forget everything (SGLang clears its allocator alongside, e.g. on flush_cache)."""
+        self.slots.reset()
         self.cache = KVCache(self.slots.capacity, block_size=self.block_size, policy=self.options.policy,
                              allocator=self.slots, track_recompute=False)
-        self.root_node = MatchRef(None, np.empty(0, dtype=np.int64), with_holes=False)
+        self.root_node = MatchRef(None)
+        self._empty = MatchResult(device_prefix_len=0, last_device_node=self.root_node,
+                                  last_host_node=self.root_node, best_match_node=self.root_node)
         self._locks: dict[int, object] = {}
-        # rid -> (request, hole ranges whose refilled slots the request still owns)
-        self._pending: dict[str, tuple[object, list[tuple[int, int]]]] = {}
+        self.kv_events.cleared()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """Match ``params.key`` through missing blocks; see the module docstring for what is
-        reported. Keys in an ``extra_key`` / ``cache_salt`` namespace are never cached."""
+        reported."""
         key = params.key
-        if self.disable or key.is_bigram or key.extra_key is not None or key.cache_salt is not None:
-            return self._result(self.root_node)
-        tokens = self._tokens(key.raw_token_ids(), len(key))
-        if not len(tokens):
-            return self._result(self.root_node)
-        match = self.cache.match(tokens)
-        return self._result(MatchRef(match, tokens, self.phantoms and _phantom_eligible(params.req)))
+        req = params.req
+        if req is not None and getattr(req, REFILL, None) is not None:
+            setattr(req, REFILL, None)
+        if self.disable or key.is_bigram:
+            return self._empty
+        namespace = self._namespace(key.extra_key, key.cache_salt, create=False)
+        n = len(key) // self.block_size * self.block_size
+        if namespace is None or n == 0:
+            return self._empty
+        match = self.cache.match(self._tokens(key.token_ids, n, namespace))
+        ref = MatchRef(match, key.token_ids, n, namespace, self.phantoms and _phantom_eligible(req))
+        return MatchResult(device_prefix_len=ref.prefix_len, last_device_node=ref, last_host_node=ref,
+                           best_match_node=ref)
 
     def touch_prefix(self, key) -> None:
         """Bump the recency of ``key``'s cached path (a match that reports nothing)."""
-        if not (self.disable or key.is_bigram or key.extra_key is not None or key.cache_salt is not None):
-            tokens = self._tokens(key.raw_token_ids(), len(key))
-            if len(tokens):
-                self.cache.match(tokens)
+        namespace = self._namespace(key.extra_key, key.cache_salt, create=False)
+        n = len(key) // self.block_size * self.block_size
+        if not (self.disable or key.is_bigram or namespace is None or n == 0):
+            self.cache.match(self._tokens(key.token_ids, n, namespace))
 
     def insert(self, params: InsertParams) -> InsertResult:
-        """Cache ``params.key`` with KV in ``params.value`` (slots, [len(key)]).
-
-        Penelope's contract, not RadixCache's: the cache takes EVERY slot passed, frees the ones
-        that duplicate blocks already cached and the partial last block's; the caller frees
-        nothing. ``prefix_len`` counts the tokens that were already cached. (SGLang 0.5.23's
-        scheduler never calls insert; ``checkpoint`` does.)"""
+        """Cache the whole blocks of ``params.key`` with KV in ``params.value`` (slots, [len(key)]),
+        as ``RadixCache.insert``: ``prefix_len`` counts the leading tokens that were cached
+        already, whose passed slots stay the caller's to free; the partial last block is not
+        cached and stays the caller's too. By design, duplicates after the first refilled hole are
+        freed here. A slot passed twice, held by the tree or on SGLang's free list is refused
+        (UsageError) before anything changes. ``value=None`` caches nothing (there is no KV)."""
         key = params.key
-        if self.disable or key.is_bigram or key.extra_key is not None or key.cache_salt is not None:
-            raise UsageError("penelope: insert of a namespaced or bigram key is not supported")
-        tokens = self._tokens(key.raw_token_ids(), len(key), whole_blocks=False)
-        slots = params.value.to("cpu", torch.int64).numpy()[:len(tokens)]
-        result = self.cache.insert(tokens, slots)
-        return InsertResult(prefix_len=result.already_cached, total_len=result.cached)
+        if self.disable:
+            return InsertResult(prefix_len=0)
+        if key.is_bigram:
+            raise UsageError("penelope: bigram (EAGLE) keys are not supported")
+        n = len(key) // self.block_size * self.block_size
+        namespace = self._namespace(key.extra_key, key.cache_salt, create=params.value is not None)
+        if n == 0 or namespace is None:
+            return InsertResult(prefix_len=0)
+        tokens = self._tokens(key.token_ids, n, namespace)
+        before = self.cache.match(tokens)
+        leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
+        if params.value is None:
+            return InsertResult(prefix_len=leading)
+        if len(params.value) < n:
+            raise UsageError(f"penelope: insert of {n} tokens got {len(params.value)} slots")
+        slots = params.value[:n].to("cpu", torch.int64).numpy().copy()
+        if leading:
+            slots[:leading] = before.spans[0].slots[:leading]
+        self.slots.check_allocated(slots[leading:])
+        self._insert(tokens, slots, before)
+        return InsertResult(prefix_len=leading, total_len=n)
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
         """Insert the whole blocks of the request's first ``up_to`` tokens, point its row at the
-        tree's slots, move its lock to the new path and advance ``cache_protected_len``. Refilled
-        holes become the tree's here. Frees nothing the row still uses; ``release_kv_cache``
-        frees the request's slots from ``cache_protected_len`` on."""
-        if self.disable or req.extra_key is not None or req.cache_salt is not None:
+        tree's slots where the tree kept its own, lock the request's whole cached path (so the
+        resident spans a hole-first request still jumps to stay resident) and advance
+        ``cache_protected_len``. Reads only the new part of the row back from the device."""
+        if self.disable:
             return
+        namespace = self._namespace(req.extra_key, req.cache_salt, create=True)
         kv = req.kv
         n = up_to // self.block_size * self.block_size
-        pending = self._pending.pop(req.rid, (req, []))[1]
-        if n <= kv.cache_protected_len and not pending:
+        protected = kv.cache_protected_len
+        if n <= protected:
             return
-        tokens = self._tokens(req.full_untruncated_fill_ids, n)
+        source = req.full_untruncated_fill_ids
+        tokens = self._tokens(source, n, namespace)
+        before = self.cache.match(tokens)
+        slots = np.empty(n, dtype=np.int64)
+        for span in before.spans:
+            if span.start >= protected:
+                break
+            if span.state != BlockState.GPU:
+                raise InvariantError(f"penelope: {req.rid} owns no KV at [{span.start}, {span.end}) "
+                                     f"below its protected length {protected}")
+            end = min(span.end, protected)
+            slots[span.start:end] = span.slots[:end - span.start]
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        self.cache.insert(tokens, row[:n].to("cpu", torch.int64).numpy())
-        ref = MatchRef(self.cache.match(tokens), tokens, with_holes=False)
-        if ref.prefix_len != n:
+        slots[protected:] = row[protected:n].to("cpu", torch.int64).numpy()
+        covered = before.spans[-1].end if before.spans else 0
+        if covered < protected:
+            raise InvariantError(f"penelope: {req.rid} has {protected} tokens protected but the tree holds {covered}")
+        inserted = self._insert(tokens, slots, before)
+        self.chunk_refill_tokens += inserted.refilled
+        freed = inserted.freed
+        self.duplicate_tokens += freed
+        full = self._tokens(source, len(source) // self.block_size * self.block_size, namespace)
+        ref = MatchRef(self.cache.match(full), source, len(full), namespace)
+        if ref.prefix_len < n:
             raise InvariantError(f"penelope: after inserting {n} tokens only {ref.prefix_len} are resident")
-        # Positions below cache_protected_len already hold the tree's slots, except refilled holes
-        # that an earlier request refilled first (then this request's copies were just freed).
-        first = min([kv.cache_protected_len] + [start for start, _ in pending])
-        self.req_to_token_pool.write((kv.req_pool_idx, slice(first, n)),
-                                     torch.from_numpy(ref.slots(n)[first:]).to(row.device, row.dtype))
+        if freed:
+            # The tree kept its own copy of some blocks: the row must read those.
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, n)),
+                                         torch.from_numpy(ref.slots(n)[protected:]).to(row.device, row.dtype))
         kv.cache_protected_len = n
         kv.cache_inserted_len = max(kv.cache_inserted_len, n)
         # Lock the new path before unlocking the old one, so nothing in between is pruned.
@@ -248,21 +257,15 @@ class PenelopeRadixCache(BasePrefixCache):
         self.unlock(old)
         req.last_node = ref
 
-    def on_release(self, req, *, checkpointed: bool) -> None:
-        """Free refilled hole slots that never reached the tree (request ended without checkpoint)."""
-        _, pending = self._pending.pop(req.rid, (req, []))
-        if pending and req.kv.req_pool_idx is not None:
-            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            self.token_to_kv_pool_allocator.free(torch.cat([row[a:b] for a, b in pending]).to(torch.int64))
-
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable."""
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        freed = self.cache.evict(params.num_tokens).freed_tokens
-        self.update_eviction_metrics(freed, start)
-        return EvictResult(num_tokens_evicted=freed)
+        result = self.cache.evict(params.num_tokens)
+        self.kv_events.removed(result.hashes)
+        self.update_eviction_metrics(result.freed_tokens, start)
+        return EvictResult(num_tokens_evicted=result.freed_tokens)
 
     def inc_lock_ref(self, node: MatchRef) -> IncLockRefResult:
         """Lock the matched root path of `node`; the receipt's ``node_id`` names the lock."""
@@ -289,7 +292,7 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def prefix_device_indices(self, req) -> torch.Tensor:
         """Slots of the request's matched prefix [0, req.prefix_len); PAD_SLOT at holes until the
-        phantoms' slots are copied in."""
+        phantoms' slots are linked in."""
         return torch.from_numpy(req.last_node.slots(req.prefix_len)).to(self.device)
 
     def path_device_indices(self, node: MatchRef) -> torch.Tensor:
@@ -299,56 +302,105 @@ class PenelopeRadixCache(BasePrefixCache):
         """Keep the given order: match handles are not tree nodes."""
         return list(range(len(node_handles)))
 
-    def phantom_holes(self, req) -> list[tuple[int, int]]:
-        """Holes that phantoms must refill before `req` runs from its reported prefix: non-empty
-        only on the round whose match reported them (the request holds no row yet)."""
+    def plan_admission(self, req, chunk_budget: int | None, free_rows: int) -> RefillPlan | None:
+        """Decide how a request whose match reported holes is admitted (``penelope.refill``):
+        riders, or hole-first chunks from its first hole, or (without chunked prefill and rows)
+        some holes dropped. Sets the request's prefix accordingly; None without holes."""
         ref = req.last_node
-        if not isinstance(ref, MatchRef) or req.kv.req_pool_idx is not None or req.prefix_len != ref.prefix_len:
+        if not isinstance(ref, MatchRef) or not ref.holes or req.kv.req_pool_idx is not None \
+                or req.prefix_len != ref.prefix_len:
+            return None
+        extend = len(req.full_untruncated_fill_ids) - ref.prefix_len
+        plan = plan_refill(ref.holes, ref.prefix_len, extend, chunk_budget, max(free_rows, 1), self.page_size)
+        setattr(req, REFILL, plan)
+        if plan.compute_from != ref.prefix_len:
+            req.prefix_len = plan.compute_from
+            req.kv.cache_protected_len = plan.compute_from
+        return plan
+
+    def rider_holes(self, req) -> list[tuple[int, int]]:
+        """Holes of `req` that phantoms refill in its admission batch (empty once it holds a row)."""
+        plan = getattr(req, REFILL, None)
+        if plan is None or not plan.riders or req.kv.req_pool_idx is not None:
             return []
-        return list(ref.holes)
+        return list(plan.riders)
 
-    def hole_tokens(self, req, prefix_len: int) -> int:
-        """Tokens the phantoms of `req` will compute when it is admitted at `prefix_len`."""
-        ref = req.last_node
-        if not isinstance(ref, MatchRef) or req.kv.req_pool_idx is not None or prefix_len != ref.prefix_len:
-            return 0
-        return sum(end - start for start, end in ref.holes)
+    def hole_tokens(self, req) -> int:
+        """Tokens the phantoms of `req` compute in its admission batch."""
+        return sum(end - start for start, end in self.rider_holes(req))
 
-    def hold_refills(self, req, holes: list[tuple[int, int]]) -> None:
-        """The request's row now holds phantom slots at `holes`: the request owns them until its
-        next checkpoint hands them to the tree."""
-        if holes:
-            self._pending[req.rid] = (req, list(holes))
-            logger.info("penelope: request %s refills %d hole tokens %s with phantoms", req.rid,
-                        sum(end - start for start, end in holes), holes)
+    def continue_chunk(self, req) -> int | None:
+        """Before a hole-first request's next chunk: jump over the resident spans that start at
+        its prefix (their tree slots go into its row) and return how many tokens the chunk may
+        compute before the end of the hole it is in (None once its holes are done)."""
+        plan = getattr(req, REFILL, None)
+        if plan is None or not plan.hole_first:
+            return None
+        position, hole_end = next_chunk(plan, req.prefix_len)
+        if position != req.prefix_len:
+            self._jump(req, position)
+        if hole_end is None:
+            setattr(req, REFILL, None)
+            return None
+        return hole_end - position
 
-    def drop_holes(self, req) -> None:
-        """Give up phantoms for `req` (e.g. no request rows left for them): it computes from the
-        end of its first resident run instead. Its row is not written yet."""
-        ref = req.last_node
-        first = MatchRef(ref.match, ref.tokens, with_holes=False).prefix_len
-        req.prefix_len = first
-        req.kv.cache_protected_len = first
+    def link_riders(self, req, phantoms: list) -> None:
+        """After allocation: hand the phantoms' hole slots to the tree (they are written by the
+        forward about to run) and point the request's row, and the rows of its later phantoms
+        (whose prefixes contain the hole), at the tree's slots. A hole some other request refilled
+        meanwhile keeps the tree's slots; the phantom's are freed."""
+        table = self.req_to_token_pool.req_to_token
+        handle = self._locks[req.lock.receipt.node_id]
+        for i, phantom in enumerate(phantoms):
+            start, end = phantom.prefix_len, phantom.extend_end
+            row = phantom.kv.req_pool_idx
+            passed = table[row, start:end].to("cpu", torch.int64).numpy()
+            kept = self.cache.refill(handle, start, passed)
+            if self.kv_events.enabled:
+                namespace = self._namespace(req.extra_key, req.cache_salt, create=True)
+                self.kv_events.stored_range(self.cache, self._tokens(req.full_untruncated_fill_ids, end, namespace),
+                                            start, end)
+            others = passed != kept
+            if others.any():
+                self.slots.free(passed[others])
+            slots = torch.from_numpy(kept).to(table.device, table.dtype)
+            for holder in [phantom, req, *phantoms[i + 1:]]:
+                table[holder.kv.req_pool_idx, start:end] = slots
+            # The hole is the tree's now: SGLang must not count it as the phantom's as well.
+            phantom.kv.cache_protected_len = end
+            self.rider_tokens += end - start
+        if phantoms:
+            logger.debug("penelope: %s refills %s with phantoms", req.rid,
+                         [(p.prefix_len, p.extend_end) for p in phantoms])
 
     def evictable_size(self) -> int:
         return self.cache.evictable_size()
 
     def protected_size(self) -> int:
-        """Tokens on locked paths, plus refilled holes still owned by running requests (they lie
-        below those requests' ``cache_protected_len``, where SGLang counts nothing as theirs)."""
-        held = sum(end - start for _, holes in self._pending.values() for start, end in holes)
-        return self.cache.protected_size() + held
+        return self.cache.protected_size()
 
     def total_size(self) -> int:
         return self.cache.evictable_size() + self.cache.protected_size()
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every device slot the tree holds (int64), as ``RadixCache.all_values_flatten``."""
+        return torch.from_numpy(self.cache.tree.slots_in(BlockState.GPU)).to(self.device)
 
     def supports_prefix_sharing(self) -> bool:
         return not self.disable
 
     def check_invariants(self) -> None:
-        """Penelope's tree, lock and slot checks (SGLang's free list included). Valid when no
-        request holds slots outside the tree."""
+        """Penelope's tree, lock and slot checks, SGLang's free list included; valid at any time
+        (slots requests hold are counted as such)."""
         self.cache.check_invariants()
+
+    def stats(self) -> dict:
+        """Counters for ``get_server_info``: tokens the phantoms computed and the cache's sizes."""
+        return {"rider_tokens": self.rider_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
+                "duplicate_tokens": self.duplicate_tokens,
+                "evicted_tokens": self.cache.stats.evicted_tokens, "evict_calls": self.cache.stats.evict_calls,
+                "cached_tokens": self.total_size(), "block_size": self.block_size,
+                "policy": self.cache.policy.name}
 
     def pretty_print(self):
         tree = self.cache.tree
@@ -358,18 +410,52 @@ class PenelopeRadixCache(BasePrefixCache):
         print(f"#tokens: {self.total_size()} (evictable {self.evictable_size()}, protected "
               f"{self.cache.protected_size()}, block {self.block_size}, policy {self.cache.policy.name})")
 
-    def _result(self, ref: MatchRef) -> MatchResult:
-        return MatchResult(device_prefix_len=ref.prefix_len, last_device_node=ref, last_host_node=ref,
-                           best_match_node=ref)
+    def _insert(self, tokens: np.ndarray, slots: np.ndarray, before: PenelopeMatch):
+        """KVCache.insert, with KV events for the blocks that became resident."""
+        result = self.cache.insert(tokens, slots)
+        self.kv_events.stored(self.cache, tokens, before)
+        return result
 
-    def _tokens(self, token_ids, n: int, whole_blocks: bool = True) -> np.ndarray:
-        """The first `n` tokens (rounded down to whole blocks) as a new int64 array. Copies:
-        a numpy view would pin SGLang's growing `array` and make its next extend fail."""
-        if whole_blocks:
-            n = n // self.block_size * self.block_size
+    def _jump(self, req, position: int) -> None:
+        """Advance a hole-first request over resident spans [prefix_len, position): its row takes
+        the tree's slots there, and SGLang's lengths move as if it had computed them."""
+        kv = req.kv
+        start = req.prefix_len
+        ref = MatchRef(self.cache.match(self._tokens(req.full_untruncated_fill_ids, position,
+                                                     self._namespace(req.extra_key, req.cache_salt, True))),
+                       with_holes=False)
+        if ref.prefix_len < position:
+            raise InvariantError(f"penelope: {req.rid} cannot jump to {position}: only {ref.prefix_len} resident")
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        self.req_to_token_pool.write((kv.req_pool_idx, slice(start, position)),
+                                     torch.from_numpy(ref.slots(position)[start:]).to(row.device, row.dtype))
+        req.prefix_len = position
+        kv.cache_protected_len = position
+        kv.kv_committed_len = kv.kv_allocated_len = position
+
+    def _namespace(self, extra_key, cache_salt, create: bool = False) -> int | None:
+        """0 for keys without a namespace; otherwise the namespace's number (None if unknown and
+        not `create`). Numbers follow first use, so every TP rank assigns the same ones."""
+        if extra_key is None and cache_salt is None:
+            return 0
+        name = (extra_key, cache_salt)
+        number = self._namespaces.get(name)
+        if number is None and create:
+            number = self._namespaces[name] = len(self._namespaces) + 1
+        return number
+
+    def _tokens(self, token_ids, n: int, namespace: int) -> np.ndarray:
+        """The first `n` tokens as int64. Without a namespace, a view of SGLang's array that the
+        caller must not keep (a kept view would pin the growing array)."""
         if isinstance(token_ids, array) and token_ids.typecode == "q":
-            return np.frombuffer(token_ids, dtype=np.int64, count=n).copy()
-        return np.asarray(token_ids[:n], dtype=np.int64)
+            tokens = np.frombuffer(token_ids, dtype=np.int64, count=n)
+        else:
+            tokens = np.asarray(token_ids[:n], dtype=np.int64)
+        if namespace:
+            if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >> _NS_SHIFT):
+                raise UsageError("penelope: namespaced token ids must lie in [0, 2**32)")
+            tokens = tokens + (namespace << _NS_SHIFT)
+        return tokens
 
     def _fresh(self, ref: MatchRef) -> PenelopeMatch:
         """`ref`'s match, redone if an eviction made it stale; the redone match must report the
@@ -377,7 +463,8 @@ class PenelopeRadixCache(BasePrefixCache):
         match = ref.match
         if self.cache.is_fresh(match):
             return match
-        again = MatchRef(self.cache.match(ref.tokens), ref.tokens, with_holes=bool(ref.holes))
+        again = MatchRef(self.cache.match(self._tokens(ref.source, ref.n, ref.namespace)), ref.source, ref.n,
+                         ref.namespace, with_holes=bool(ref.holes))
         if (again.prefix_len, again.holes) != (ref.prefix_len, ref.holes) or not np.array_equal(
                 again.slots(ref.prefix_len), ref.slots(ref.prefix_len)):
             raise InvariantError("penelope: the cache evicted part of a matched prefix before it was locked")

@@ -18,6 +18,12 @@ back (through the swap buffer when both tiers are full), other KV is demoted to 
 every copy runs on the engine's real K/V pools (`--copy`: the Triton swap-copy kernel or torch
 indexed copies). A copy that is skipped or lands in the wrong row changes the outputs.
 
+With `--engine sglang` the same kind of check runs on the user's SGLang 0.5.23 install: SGLang's
+real Engine with Penelope's plugin on a pool of `--cache-tokens` that must evict, against the same
+Engine on a pool that never evicts, and SGLang's default radix cache on the small pool for the
+recomputation count (`penelope.integration.sglang.verify`). Tokens must be identical and
+log-probabilities agree within `--atol`.
+
 Exit code 0 when both agree exactly, 1 when they differ, 2 on bad arguments.
 """
 from __future__ import annotations
@@ -32,6 +38,7 @@ from penelope.errors import UsageError
 
 ATTENTION_CHOICES = ("naive", "triton")
 COPY_CHOICES = ("triton", "naive")
+ENGINE_CHOICES = ("reference", "sglang")
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,20 @@ def add_parser(subparsers) -> None:
                         help="how tier moves copy K/V rows: the Triton swap-copy kernel (interpreted without a "
                              "GPU) or torch indexed copies")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    sglang = parser.add_argument_group(
+        "--engine sglang", "SGLang's real Engine with Penelope's plugin (needs SGLang 0.5.23; on CPU, SGLang's CPU "
+        "build); --cache-tokens is its KV pool, --message-tokens what each turn adds")
+    sglang.add_argument("--engine", default="reference", choices=ENGINE_CHOICES,
+                        help="reference: this package's engine, bitwise; sglang: SGLang's Engine, within --atol")
+    sglang.add_argument("--model", metavar="DIR", help="HF checkpoint to serve (default: a tiny random Qwen3)")
+    sglang.add_argument("--page-size", type=int, default=64, help="SGLang's page size")
+    sglang.add_argument("--chunk", type=int, default=128, help="chunked prefill size (-1: off)")
+    sglang.add_argument("--rows", type=int, default=8, help="max running requests (request rows)")
+    sglang.add_argument("--atol", type=float, default=1e-3, help="log-probability tolerance")
+    sglang.add_argument("--no-default", action="store_true",
+                        help="skip SGLang's default cache (two Engines, not three)")
+    sglang.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                        help="one more sglang.Engine argument, e.g. attention_backend=\"triton\" (repeatable)")
 
 
 def run(args) -> int:
@@ -310,6 +331,8 @@ def run(args) -> int:
 
     if args.policy not in policy_names(aliases=True):
         raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
+    if args.engine == "sglang":
+        return run_sglang(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device is available")
     triton_copy = args.copy == "triton" and args.cpu_cache > 0
@@ -333,6 +356,61 @@ def run(args) -> int:
             json.dump(report.as_dict(), handle, indent=2)
         print(f"wrote {args.json}")
     return 0 if report.identical else 1
+
+
+def run_sglang(args) -> int:
+    """`--engine sglang`: three Engines (two with --no-default), compared; exit 1 on a difference."""
+    import sys
+    import tempfile
+
+    from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
+    from penelope.integration.sglang.verify import EngineCheck, check, tiny_model
+
+    extra = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=JSON")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    device = "cpu" if args.device == "cpu" else "cuda"
+    traffic = AgentTraffic(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                           first_tokens=args.message_tokens, growth_tokens=args.message_tokens,
+                           max_new_tokens=args.reply_tokens, seed=args.seed)
+    setup = EngineSetup(pool_tokens=args.cache_tokens, page_size=args.page_size, chunk=args.chunk, rows=args.rows,
+                        policy=args.policy, device=device, extra=extra)
+    spec = EngineCheck(traffic, setup, atol=args.atol, with_default=not args.no_default)
+    with tempfile.TemporaryDirectory(prefix="penelope-model-") as tmp:
+        model = args.model or str(tiny_model(tmp, seed=args.seed))
+        report = check(model, spec, progress=lambda step: print(f"penelope verify: running {step} ...",
+                                                                 file=sys.stderr, flush=True))
+    print(sglang_summary(report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if report["passed"] else 1
+
+
+def sglang_summary(report: dict) -> str:
+    """A few lines for people about an `--engine sglang` check."""
+    setup, traffic, comparison = report["setup"], report["traffic"], report["comparison"]
+    lines = [f"SGLang Engine, {traffic['sessions']} sessions x {traffic['turns']} turns, pool "
+             f"{setup['pool_tokens']} tokens, page {setup['page_size']}, chunk {setup['chunk']}, {setup['rows']} rows, "
+             f"policy {setup['policy']}"]
+    for name, run in report["runs"].items():
+        lines.append(f"  {name:9s}: {run['prefill_tokens']} prefill tokens, {run['recomputed_tokens']} recomputed "
+                     f"(cost {run['recomputed_cost']:.3g}), phantoms {run['phantom_tokens']}, hole chunks "
+                     f"{run['chunk_refill_tokens']}; start {run['start_s']} s, serve {run['serve_s']} s")
+    tokens = "identical" if comparison["identical_tokens"] else f"DIFFERENT in {comparison['different']}"
+    lines.append(f"{comparison['requests']} requests, {comparison['unfinished']} unfinished; tokens {tokens}; "
+                 f"max |logprob diff| {comparison['max_logprob_diff']:.3g} (atol {report['atol']})")
+    if not report["probe_outputs_differ"]:
+        lines.append("the model's outputs do not depend on early tokens: this check cannot see wrong KV")
+    lines.append("PASS" if report["passed"] else "FAIL")
+    return "\n".join(lines)
 
 
 def summary(options: VerifyOptions, report: VerifyReport) -> str:

@@ -117,17 +117,23 @@ def random_weights(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    init_std: float | None = None,
 ) -> ModelWeights:
-    """Random weights, identical for the same (config, seed) on every machine.
+    """Random weights, identical for the same (config, seed, init_std) on every machine.
 
-    Drawn in fp32 on the CPU, then cast and moved. Linear weights have std 1/sqrt(fan_in) and
-    norm weights are 1 + 0.1 * N(0, 1), so activations stay of order one through the layers and
-    every weight visibly matters (an implementation that skipped a norm weight would not match).
+    Drawn in fp32 on the CPU, then cast and moved. By default linear weights have std
+    1/sqrt(fan_in) and norm weights are 1 + 0.1 * N(0, 1), so activations stay of order one
+    through the layers and every weight visibly matters (an implementation that skipped a norm
+    weight would not match). With `init_std`, every matrix (embedding included) is N(0, init_std)
+    and norms are 1, as transformers initializes a model with `initializer_range`: a large value
+    (0.5) gives sharp attention, so outputs depend on tokens far back in the prompt.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     state = {}
     for name, shape in expected_shapes(config).items():
-        if name == _EMBED:
+        if init_std is not None:
+            tensor = torch.ones(shape) if name.endswith("norm.weight") else init_std * torch.randn(shape, generator=gen)
+        elif name == _EMBED:
             tensor = 0.5 * torch.randn(shape, generator=gen)
         elif len(shape) == 2:
             tensor = torch.randn(shape, generator=gen) / shape[1] ** 0.5

@@ -1,0 +1,159 @@
+"""Penelope inside SGLang 0.5.23's REAL Engine on CPU: scheduler process, batching, chunked
+prefill, retraction, abort and decode, each Engine in a process of its own.
+
+Every scenario serves the same agent-like traffic (4 sessions sharing a 300-token system prompt,
+histories growing by 200 tokens a turn, 5 turns, 8 greedy tokens per turn, plus two probe
+requests) on a 2048-token pool that must evict, and is compared with the same Engine on a pool
+that never evicts: identical tokens, log-probabilities within 1e-3 (fp32 on CPU: batch shapes
+differ between the runs, so results are not bitwise; SGLang's deterministic mode needs a GPU
+attention backend), and every request finished. SGLang's own memory checks run at every step
+(``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``: available + evictable + protected +
+request-owned == total; ``SGLANG_CHECK_KV_PAGE_INVARIANTS``: no page both owned and free, no page
+freed twice; idle leak checks raise), so a leak or a double free fails the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
+from penelope.integration.sglang.verify import compare, run_engine, tiny_model
+
+STUB = Path(__file__).parent / "engine_stub"
+TRAFFIC = AgentTraffic()
+ATOL = 1e-3
+
+
+def engine_env(**extra) -> dict:
+    path = os.pathsep.join(p for p in (str(STUB), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+            "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(tiny_model(tmp_path_factory.mktemp("tiny-qwen3")))
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    """Penelope on a pool that holds all the traffic: nothing is ever evicted."""
+    return run_engine(model, TRAFFIC, EngineSetup(pool_tokens=16384), engine_env())
+
+
+def check_against(run: dict, reference: dict, traffic: AgentTraffic = TRAFFIC) -> dict:
+    result = compare(run, reference, ATOL)
+    assert result["requests"] == traffic.sessions * traffic.turns + 2
+    assert result["identical_tokens"], result["different"]
+    assert result["unfinished"] == 0
+    assert result["max_logprob_diff"] <= ATOL, result["max_logprob_diff_at"]
+    return run["counters"]
+
+
+def test_the_model_reads_early_tokens(reference):
+    """Probe requests that differ only in their first token generate different tokens: the
+    comparisons below can see KV that is wrong anywhere in a history."""
+    probes = {r["rid"]: r["output_ids"] for r in reference["requests"] if r["rid"].startswith("probe")}
+    assert probes["probe0"] != probes["probe1"]
+    assert reference["counters"]["evicted_tokens"] == 0
+
+
+def test_chunks_smaller_than_holes_and_an_abort_mid_prefill(model, reference):
+    """Chunks of 128 tokens, holes of up to 576: the holes are computed hole-first, chunk by
+    chunk, by their own requests (this setup hung the scheduler before). A 1,800-token request is
+    aborted while it is being prefilled."""
+    traffic = AgentTraffic(abort=True)
+    run = run_engine(model, traffic, EngineSetup(pool_tokens=2048, chunk=128), engine_env())
+    counters = check_against(run, reference)
+    assert counters["evicted_tokens"] > 0 and counters["chunk_refill_tokens"] > 0
+    [aborted] = [r for r in run["requests"] if r["rid"] == "aborted"]
+    assert aborted["finish"] == "abort" and aborted["output_ids"] == []
+
+
+def test_phantoms_ride_in_the_requests_batch(model, reference):
+    """With chunks as large as the pool, every hole is refilled by a phantom in its request's
+    batch, on SGLang's own torch attention backend."""
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=2048), engine_env())
+    counters = check_against(run, reference)
+    assert counters["phantoms"] > 0 and counters["phantom_tokens"] == counters["rider_tokens"] > 0
+
+
+def test_request_rows_run_out(model, reference):
+    """Two request rows: a request whose phantoms get no rows refills its holes hole-first."""
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=1024, rows=2), engine_env())
+    counters = check_against(run, reference)
+    assert counters["evicted_tokens"] > 0 and counters["chunk_refill_tokens"] + counters["phantom_tokens"] > 0
+
+
+def test_without_chunked_prefill(model, reference):
+    """Chunked prefill off and two rows: holes without a row are dropped (their request computes
+    from the first of them), the rest ride."""
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=-1, rows=2), engine_env())
+    counters = check_against(run, reference)
+    assert counters["evicted_tokens"] > 0
+
+
+def test_page_size_one(model, reference):
+    """Page size 1: blocks of one token, as SGLang's own cache keeps every token."""
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, page_size=1, chunk=128), engine_env())
+    counters = check_against(run, reference)
+    assert counters["block_size"] == 1 and counters["evicted_tokens"] > 0
+
+
+def test_retraction(model):
+    """SGLANG_TEST_RETRACT retracts running requests every few decode steps (their KV released
+    and their prefill redone later), with holes and phantoms in play."""
+    traffic = AgentTraffic(max_new_tokens=32)
+    env = engine_env(SGLANG_TEST_RETRACT="1")
+    reference = run_engine(model, traffic, EngineSetup(pool_tokens=16384), env)
+    run = run_engine(model, traffic, EngineSetup(pool_tokens=2048, chunk=256), env)
+    counters = check_against(run, reference, traffic)
+    assert counters["evicted_tokens"] > 0
+    assert counters["prefill_tokens"] > reference["counters"]["prefill_tokens"]
+
+
+def test_default_cache_on_the_same_traffic(model, reference):
+    """SGLang's default radix cache on the small pool, through the same harness: its outputs match
+    too, and both caches' recomputed prefill tokens are counted the same way."""
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=128, cache="default"), engine_env())
+    counters = check_against(run, reference)
+    assert counters["prefill_tokens"] > reference["counters"]["prefill_tokens"]
+    assert "evicted_tokens" not in counters
+
+
+def test_penelope_verify_engine_sglang(tmp_path):
+    """The user's command: two Engines (Penelope on a small and on a never-evicting pool), JSON
+    out, exit 0 when they agree."""
+    out = tmp_path / "verify.json"
+    run = subprocess.run([sys.executable, "-m", "penelope.cli", "verify", "--engine", "sglang", "--no-default",
+                          "--turns", "3", "--cache-tokens", "1536", "--json", str(out)],
+                         env={**os.environ, **engine_env()}, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["comparison"]["identical_tokens"] and report["probe_outputs_differ"]
+    assert report["runs"]["penelope"]["evicted_tokens"] > 0 and report["runs"]["reference"]["evicted_tokens"] == 0
+    assert run.stdout.strip().splitlines()[-2] == "PASS"
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--radix-eviction-policy-config", '{"policy": "fifo"}'], {}, "penelope: unknown policy 'fifo'"),
+    ([], {"PENELOPE_BLOCK_SIZE": "many"}, "penelope: PENELOPE_BLOCK_SIZE must be an integer, got 'many'"),
+    (["--page-size", "64", "--radix-eviction-policy-config", '{"block_size": 96}'], {},
+     "penelope: block_size 96 is not a multiple of SGLang's page size 64"),
+])
+def test_a_bad_configuration_stops_the_server_with_one_line(model, args, env, message):
+    """``python -m sglang.launch_server``: the error is the last line, there is no traceback, and
+    no scheduler process was started."""
+    run = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
+                          "--attention-backend", "torch_native", "--skip-tokenizer-init", "--port", "31555",
+                          "--radix-cache-backend", "penelope", *args],
+                         env={**os.environ, **engine_env(SGLANG_USE_CPU_ENGINE="1", **env)},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in run.stderr and "died" not in run.stderr
