@@ -323,3 +323,24 @@ def test_accounting_and_kv_hold_after_every_operation(workload):
     assert_conserved(serving)
     serving.cache.check_invariants()
     assert serving.req_pool.available_size() == 16
+
+
+def test_two_caches_fed_the_same_operations_agree():
+    """What tensor parallelism relies on: every rank runs its own cache, and caches that see the
+    same operations make the same decisions (a logical clock, no wall time, no randomness)."""
+    ranks = [Serving(size=64 * 14, page_size=64) for _ in range(2)]
+    system = blocks(1000, 2)
+
+    def tree(serving):
+        return [(n.start, n.end, n.state.tolist(), n.tokens.tolist(), n.slots.tolist(), n.lock_ref)
+                for n in serving.cache.cache.tree.nodes()]
+
+    for turn in range(12):
+        session = turn % 3
+        tokens = system + blocks(10_000 * (session + 1), 2 + turn // 3) + [turn]
+        for serving in ranks:
+            serving.prefill([tokens])
+            if turn % 4 == 3:
+                serving.cache.evict(EvictParams(num_tokens=64))
+        assert tree(ranks[0]) == tree(ranks[1])
+    assert ranks[0].cache.cache.stats.evicted_tokens > 0
