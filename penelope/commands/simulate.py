@@ -33,6 +33,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gpu", default="h100", help=f"GPU of the time model's estimates: {' | '.join(GPUS)}")
     parser.add_argument("--calibration", metavar="FILE", help="calibration JSON overriding the time model")
     parser.add_argument(
+        "--phantom-kernel",
+        default="fa3",
+        help="attention kernel costing prefill batches that refill holes: fa3 (as fast as SGLang's contiguous "
+        "prefill) | triton (the project's ragged kernel, slower by the time model's triton_pair_ratio)",
+    )
+    parser.add_argument(
         "--gpu-cache",
         help="GPU KV capacity in tokens, or a comma-separated sweep (default: the paper's, 256K for Qwen3-8B)",
     )
@@ -113,6 +119,8 @@ def prepare(args) -> dict:
     """Everything both `simulate` and `analyze` need from the options: the workload, the model,
     the time and cost models, the GPU capacities (the model's default when none is given) and a
     factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
+    import dataclasses
+
     from penelope.costmodel import CostModel
     from penelope.models import get_model
     from penelope.sim.options import load_from_args
@@ -125,6 +133,7 @@ def prepare(args) -> dict:
         time_model = TimeModel.from_json(args.calibration, shape, args.gpu)
     else:
         time_model = TimeModel.estimate(shape, args.gpu)
+    time_model = dataclasses.replace(time_model, phantom_kernel=getattr(args, "phantom_kernel", "fa3"))
     capacities = parse_size_list(args.gpu_cache, "--gpu-cache") if args.gpu_cache else []
     cpu_cache = parse_size(args.cpu_cache, "--cpu-cache", allow_zero=True)
     swap_buffer = parse_size(getattr(args, "swap_buffer", "1K"), "--swap-buffer")
@@ -200,6 +209,7 @@ def print_config(config: dict, time_model) -> None:
         f"({'calibrated from ' + config['calibration'] if config['calibration'] else 'estimated time model'}), "
         f"c_lin {time_model.c_lin:,.0f}"
     )
+    print(f"  prefill attention: {kernel_statement(time_model)}")
     gpu_cache = config["gpu_cache"]
     sizes = ", ".join(format_size(c) for c in gpu_cache) if isinstance(gpu_cache, list) else format_size(gpu_cache)
     print(
@@ -207,6 +217,17 @@ def print_config(config: dict, time_model) -> None:
         f"{config['sessions']} sessions at once, {config['scheduler'].upper()} scheduler, "
         f"{config['chunk_size']} prefill tokens per batch"
     )
+
+
+def kernel_statement(time_model) -> str:
+    """Which attention kernel each prefill batch is costed with, in words."""
+    text = "contiguous batches on FA3"
+    if time_model.phantom_kernel == "triton":
+        return (
+            text + f"; batches refilling holes on the Triton ragged kernel at {time_model.triton_pair_ratio:g}x "
+            "FA3's seconds per attention pair"
+        )
+    return text + ", batches refilling holes too (--phantom-kernel triton: the Triton ragged kernel)"
 
 
 def results_table(capacity: int, results: dict) -> str:

@@ -136,6 +136,7 @@ class PolicyResult:
             phantom_tokens=self.replay.phantom_tokens,
             evicted_tokens=self.cache_stats.evicted_tokens,
             prefill_batches=self.replay.prefill_batches,
+            phantom_batches=self.replay.phantom_batches,
             decode_steps=self.replay.decode_steps,
             sim_time=self.replay.sim_time,
             wall_time=self.replay.wall_time,
