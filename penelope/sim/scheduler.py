@@ -44,7 +44,8 @@ class Job:
     tokens: int64 `[input_tokens]`, the prompt (dropped when the job finishes).
     After admission: `slots` int64 `[input_tokens]` (KV slot of every prompt position),
     `out_slots` int64 `[output_tokens]`, `work` the (start, end) position spans still to compute
-    (phantom holes, all before `compute_from`, then the new tokens from `compute_from`), `reused` tokens found resident, `recomputed` spans the cache had held before, `phantom`
+    (phantom holes, all before `compute_from`, then the new tokens from `compute_from`),
+    `reused` tokens found resident, `recomputed` spans the cache had held before, `phantom`
     hole tokens refilled, `loaded` tokens loaded from a CPU tier. `number` is the session's
     position in the workload. Times in seconds of simulated time."""
 
