@@ -61,9 +61,66 @@ def add_parser(subparsers) -> None:
         default="sglang,penelope",
         help="comma-separated eviction policies, or 'ablation' for the paper's six-policy grid",
     )
+    add_ensemble_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT and hit rate per policy")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_ensemble_arguments(parser) -> None:
+    """--repeat and the perturbation of its runs (shared with `penelope reproduce`)."""
+    from penelope.sim.perturb import DEFAULT_BAND
+
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="replay each setting N times with seeded perturbations and report means with 95%% intervals "
+        "(default 1: one unperturbed replay)",
+    )
+    parser.add_argument(
+        "--band",
+        type=float,
+        help=f"with --repeat: each time-model constant is scaled by a factor in [1-X, 1+X] per run "
+        f"(default {DEFAULT_BAND})",
+    )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        help="with --repeat: each wait between requests is scaled by a factor in [1-X, 1+X] per run (default 0)",
+    )
+    parser.add_argument("--perturb-seed", type=int, help="with --repeat: seed of the perturbations (default 0)")
+    parser.add_argument(
+        "--jobs", type=int, metavar="J", help="with --repeat: worker processes (default: the CPU cores)"
+    )
+
+
+def ensemble_options(args):
+    """(repeat, Perturbation or None, jobs) from the options; perturbation options need --repeat N >= 2."""
+    from penelope.errors import UsageError
+    from penelope.sim.ensemble import default_jobs
+    from penelope.sim.perturb import DEFAULT_BAND, Perturbation
+
+    repeat = args.repeat
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
+                                      ("--perturb-seed", args.perturb_seed), ("--jobs", args.jobs))
+             if value is not None]
+    if repeat == 1:
+        if given:
+            raise UsageError(f"{given[0]} applies to the runs of an ensemble: give --repeat N with N >= 2")
+        return 1, None, 1
+    perturbation = Perturbation(
+        band=DEFAULT_BAND if args.band is None else args.band,
+        jitter=0.0 if args.jitter is None else args.jitter,
+        seed=0 if args.perturb_seed is None else args.perturb_seed,
+    )
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {jobs}")
+    return repeat, perturbation, jobs
 
 
 def run(args) -> int:
@@ -71,6 +128,7 @@ def run(args) -> int:
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
+    repeat, perturbation, jobs = ensemble_options(args)
     setup = prepare(args)
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
@@ -78,6 +136,8 @@ def run(args) -> int:
     config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
     time_model: TimeModel = setup["time_model"]
     print_config(config_json, time_model)
+    if repeat > 1:
+        return run_ensemble(args, setup, policies, repeat, perturbation, jobs)
 
     bar = progress_bar(workload.num_requests * len(policies) * len(capacities), args.no_progress)
     sweep = []
@@ -111,6 +171,56 @@ def run(args) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         plot_results(args.plot, sweep, setup["shape"].name)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbation, jobs: int) -> int:
+    """`simulate --repeat N`: every capacity and policy replayed N times, paired by run."""
+    from penelope.sim.ensemble import run_ensembles
+    from penelope.sim.ensemble_report import ensemble_tables, plot_ensembles
+    from penelope.sim.stats import CONFIDENCE
+
+    workload, config_json, capacities = setup["workload"], setup["config"], setup["capacities"]
+    config_json["ensemble"] = {
+        "repeat": repeat,
+        "jobs": jobs,
+        "confidence": CONFIDENCE,
+        "interval": "Student t over runs; changes paired run by run",
+        **perturbation.as_dict(),
+    }
+    print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
+    bar = progress_bar(workload.num_requests * len(policies) * len(capacities) * repeat, args.no_progress)
+    try:
+        ensembles = run_ensembles(
+            workload, policies, [setup["make_config"](c) for c in capacities], setup["time_model"], setup["cost"],
+            repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    sweep = list(zip(capacities, ensembles, strict=True))
+    for capacity, ensemble in sweep:
+        print()
+        print(ensemble_tables(capacity, ensemble))
+    print(
+        "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
+        "a change is a win or a loss only when its interval excludes zero"
+    )
+    if args.json:
+        payload = {"config": config_json}
+        if len(sweep) == 1:
+            payload["results"] = {name: sweep[0][1].policy_dict(name) for name in policies}
+        else:
+            payload["sweep"] = [
+                {"gpu_cache": capacity, "results": {name: ensemble.policy_dict(name) for name in policies}}
+                for capacity, ensemble in sweep
+            ]
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_ensembles(args.plot, sweep, setup["shape"].name)
         print(f"wrote {args.plot}")
     return 0
 

@@ -128,6 +128,7 @@ CALIBRATION_KEYS = (
     "decode_overhead",
     "hbm_bandwidth",
     "weight_bytes",
+    "embedding_row_bytes",
     "expert_bytes",
     "kv_bytes_per_token",
     "window_kv_bytes_per_token",
