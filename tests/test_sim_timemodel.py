@@ -225,3 +225,23 @@ def test_calibration_file_problems_and_unknown_gpu(tmp_path):
         TimeModel.from_json(bad)
     with pytest.raises(UsageError, match="unknown GPU 'a100'"):
         TimeModel.estimate("qwen3-8b", "a100")
+
+
+def test_write_calibration_merges_files_of_the_same_model_and_gpu(tmp_path):
+    from penelope.sim.timemodel import write_calibration
+
+    path = tmp_path / "calibration.json"
+    write_calibration(path, {"model": "qwen3-8b", "gpu": "h200", "source": "cost curve", "batch_overhead": 0.002})
+    merged = write_calibration(path, {"model": "qwen3-8b", "gpu": "h200", "source": "decode",
+                                      "decode_overhead": 4e-4, "hbm_bandwidth": 3.3e12})
+    assert json.loads(path.read_text()) == merged == {
+        "model": "qwen3-8b", "gpu": "h200", "source": "cost curve; decode", "batch_overhead": 0.002,
+        "decode_overhead": 4e-4, "hbm_bandwidth": 3.3e12}
+    # Writing the same constants again names its source once.
+    assert write_calibration(path, {"model": "qwen3-8b", "gpu": "h200", "source": "decode"})["source"] == (
+        "cost curve; decode")
+    # Another GPU's constants replace the file rather than mix with it.
+    assert write_calibration(path, {"model": "qwen3-8b", "gpu": "h100", "source": "x", "decode_overhead": 1e-3}) == {
+        "model": "qwen3-8b", "gpu": "h100", "source": "x", "decode_overhead": 1e-3}
+    with pytest.raises(UsageError, match="unknown calibration keys tflops"):
+        write_calibration(path, {"tflops": 1})

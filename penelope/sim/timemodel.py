@@ -226,8 +226,6 @@ class TimeModel:
             needed = total_params * WEIGHT_BYTES_PER_PARAM + kv_bytes
             num_gpus = 2 ** max(0, math.ceil(math.log2(needed / (USABLE_MEMORY * spec.memory_bytes))))
         seconds_per_unit = cost.flops_per_unit / (num_gpus * spec.peak_flops * MFU)
-        # A decode step looks up its tokens' rows of the input embedding, not the whole table.
-        embedding_params = shape.vocab_size * shape.hidden_size
         return cls(
             model=shape.name,
             gpu=spec.name,
@@ -238,7 +236,7 @@ class TimeModel:
             batch_overhead=BATCH_OVERHEAD,
             decode_overhead=DECODE_OVERHEAD,
             hbm_bandwidth=num_gpus * spec.hbm_bandwidth * HBM_EFFICIENCY,
-            weight_bytes=(always_params - embedding_params) * WEIGHT_BYTES_PER_PARAM,
+            weight_bytes=decode_weight_params(shape) * WEIGHT_BYTES_PER_PARAM,
             embedding_row_bytes=shape.hidden_size * WEIGHT_BYTES_PER_PARAM,
             expert_bytes=expert_params * WEIGHT_BYTES_PER_PARAM,
             num_experts=shape.num_experts,
@@ -343,6 +341,41 @@ class TimeModel:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def decode_weight_params(shape: ModelShape) -> float:
+    """Parameters every decode step reads whatever its batch: all layers (an MoE's routed experts
+    left out: they depend on the batch) and the LM head, but not the input-embedding table, of
+    which a step looks up one row per token. With tied embeddings the one table counts once."""
+    always = shape.active_params() - shape.experts_per_token * _expert_params(shape)
+    return always - shape.vocab_size * shape.hidden_size
+
+
+def write_calibration(path: str | Path, values: dict) -> dict:
+    """Write calibration `values` (keys of `CALIBRATION_KEYS` and `METADATA_KEYS`) to `path`,
+    merged into what the file already holds for the same model and GPU, so several benchmarks
+    can each settle their constants in one file; `source` lists every contributor once. Returns
+    what was written."""
+    path = Path(path)
+    unknown = sorted(set(values) - set(CALIBRATION_KEYS) - set(METADATA_KEYS))
+    if unknown:
+        raise UsageError(f"unknown calibration keys {', '.join(unknown)}")
+    merged: dict = {}
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = None
+        if isinstance(old, dict) and all(old.get(key) == values.get(key) for key in ("model", "gpu")):
+            merged = old
+    sources = [s for s in str(merged.get("source", "")).split("; ") if s]
+    merged.update(values)
+    if values.get("source") and values["source"] not in sources:
+        sources.append(values["source"])
+    if sources:
+        merged["source"] = "; ".join(sources)
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    return merged
 
 
 def _expert_params(shape: ModelShape) -> float:
