@@ -62,12 +62,13 @@ def test_decode_step_gives_the_engine_forward_logits(one_torch_thread):
 
 
 def synthetic_points(read, overhead, bandwidth, noise=0.0, seed=0):
+    """Steps of the grid timed by the simulator's formula, bytes written out by hand."""
     rng = np.random.default_rng(seed)
     points = []
     for batch in bench.BATCHES:
         for context in bench.CONTEXTS:
             kv = batch * (context + 1)
-            seconds = overhead + read.step(batch, kv) / bandwidth
+            seconds = overhead + (read.weights + read.embedding_row * batch + read.kv_per_token * kv) / bandwidth
             points.append((batch, kv, seconds * (1 + noise * rng.standard_normal())))
     return points
 
@@ -77,6 +78,7 @@ def test_fit_recovers_overhead_and_bandwidth_from_synthetic_steps():
     # Qwen3-8B: 15.1 GB of weights a step, 8 KB of embedding per request, 144 KB of KV per token.
     assert read.weights == pytest.approx(15.136e9, rel=1e-3)
     assert (read.embedding_row, read.kv_per_token) == (8192, 147456)
+    assert read.step(4, 1000) == read.weights + 4 * 8192 + 1000 * 147456
     exact = bench.fit_decode(synthetic_points(read, 4e-4, 3.2e12), read)
     assert exact["decode_overhead"] == pytest.approx(4e-4, rel=1e-6)
     assert exact["hbm_bandwidth"] == pytest.approx(3.2e12, rel=1e-9)
