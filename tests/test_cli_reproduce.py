@@ -1,7 +1,18 @@
 """`penelope reproduce`: the main job writes every step's JSON and plot."""
+import importlib.util
 import json
+from pathlib import Path
 
 from penelope.cli import main
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_reproduce_writes_all_results(tmp_path, capsys):
@@ -24,6 +35,17 @@ def test_reproduce_writes_all_results(tmp_path, capsys):
     assert len(ablation) == 6
     text = capsys.readouterr().out
     assert "3/3 ablation grid" in text and "--repeat 2" in text and "changes against sglang" in text
+
+    # The README's tables come from these files.
+    readme_tables = load_script("readme_tables")
+    assert readme_tables.main(["synthetic", str(out)]) == 0
+    tables = capsys.readouterr().out
+    assert "| 128K | " in tables and "| 256K | " in tables and "2 runs per setting" in tables
+    assert "| private-head-block (Penelope) | " in tables and tables.count("\n| leaf-") == 3
+    penelope = sweep[0]["results"]["penelope"]["vs_sglang"]["ttft_mean"]
+    row = next(line for line in tables.splitlines() if line.startswith("| 128K"))
+    expected = f"{penelope['mean']:+.1%} [{penelope['low']:+.1%}, {penelope['high']:+.1%}]"
+    assert (expected in row) != (penelope["verdict"] == "no significant difference")
 
 
 def test_reproduce_repeat_one_is_the_single_unperturbed_replay(tmp_path):

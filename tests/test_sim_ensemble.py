@@ -212,3 +212,16 @@ def test_ensemble_arguments_are_checked(pressured):
         run_ensembles(work, ["sglang"], configs, MODEL, COST, repeat=0)
     with pytest.raises(UsageError, match="--jobs"):
         run_ensembles(work, ["sglang"], configs, MODEL, COST, repeat=2, jobs=0)
+
+
+def test_table_cells_say_no_significant_difference_unless_the_interval_excludes_zero(sequential):
+    from penelope.sim.ensemble_report import ensemble_tables, markdown_change
+
+    assert markdown_change(Estimate(-0.287, -0.312, -0.261, 10)) == "-28.7% [-31.2%, -26.1%]"
+    assert markdown_change(Estimate(0.004, -0.011, 0.019, 10)) == "no significant difference [-1.1%, +1.9%]"
+    assert markdown_change(Estimate(0.0, 0.0, 0.0, 10)) == "identical in every run"
+    assert markdown_change(Estimate(1.5, 0.7, 2.3, 10), lower_is_better=False, points=True) == "+1.50 [+0.70, +2.30]"
+    text = ensemble_tables(64 * 1024, sequential)
+    assert f"{RUNS} runs (time-model constants x U[0.95, 1.05], waits x U[0.9, 1.1], seed 0)" in text
+    row = next(line for line in text.splitlines() if "TTFT mean" in line and line.startswith("penelope"))
+    assert row.split()[-1] == sequential.verdict("penelope", "ttft_mean") or row.endswith(NO_DIFFERENCE)

@@ -4,6 +4,8 @@ policies and compare TTFT, session completion time (JCT) and hit rate against SG
 With no arguments it replays the embedded synthetic workload (24 sessions, about 4,800
 requests, the paper's Claude Code statistics) on Qwen3-8B with a 256K-token GPU cache, 4
 sessions at a time, longest-prefix-first, SGLang vs Penelope: about 20 s on a 2-core machine.
+With `--repeat N` every setting is replayed N times with seeded perturbations
+(`penelope.sim.ensemble`), in parallel, and every figure is reported with its 95% interval.
 """
 
 from __future__ import annotations

@@ -40,16 +40,22 @@ def change_interval(estimate: Estimate, points: bool = False) -> tuple[str, str]
     """(`mean`, `[low, high]`) of a change: percentages, or percentage points when `points`."""
     if math.isnan(estimate.mean):
         return "n/a", ""
+    # Changes well under 1% (a session's completion time) get a second decimal, not "-0.0%".
+    largest = max(abs(v) for v in (estimate.mean, estimate.low, estimate.high) if not math.isnan(v))
+    digits = 2 if largest < 0.01 else 1
 
     def one(value: float) -> str:
-        return f"{value:+.2f}" if points else f"{value:+.1%}"
+        return f"{value:+.2f}" if points else f"{value:+.{digits}%}"
 
     interval = f"[{one(estimate.low)}, {one(estimate.high)}]" if estimate.has_interval else ""
     return one(estimate.mean), interval
 
 
 def markdown_change(estimate: Estimate, lower_is_better: bool = True, points: bool = False) -> str:
-    """A README cell: `-28.7% [-31.2%, -26.1%]`, or `no significant difference [-1.1%, +1.9%]`."""
+    """A README cell: `-28.7% [-31.2%, -26.1%]`, or `no significant difference [-1.1%, +1.9%]`, or
+    `identical in every run` when every run's change is exactly zero."""
+    if estimate.low == estimate.mean == estimate.high == 0.0:
+        return "identical in every run"
     mean, interval = change_interval(estimate, points)
     if estimate.verdict(lower_is_better) == NO_DIFFERENCE:
         return f"{NO_DIFFERENCE} {interval}".rstrip()

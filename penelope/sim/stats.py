@@ -132,6 +132,16 @@ class Estimate:
         return {"mean": self.mean, "low": self.low, "high": self.high, "n": self.n,
                 "confidence": self.confidence}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Estimate:
+        """The inverse of `as_dict` (JSON's null read as NaN)."""
+        def number(key):
+            value = data.get(key)
+            return math.nan if value is None else float(value)
+
+        return cls(number("mean"), number("low"), number("high"), int(data["n"]),
+                   float(data.get("confidence", CONFIDENCE)))
+
 
 def paired_changes(values: Sequence[float], baseline: Sequence[float]) -> list[float]:
     """Relative change of run i against run i of the baseline, `(v_i - b_i) / b_i`, per run
