@@ -84,12 +84,14 @@ def add_ensemble_arguments(parser) -> None:
     parser.add_argument(
         "--band",
         type=float,
+        metavar="X",
         help=f"with --repeat: each time-model constant is scaled by a factor in [1-X, 1+X] per run "
         f"(default {DEFAULT_BAND})",
     )
     parser.add_argument(
         "--jitter",
         type=float,
+        metavar="X",
         help="with --repeat: each wait between requests is scaled by a factor in [1-X, 1+X] per run (default 0)",
     )
     parser.add_argument("--perturb-seed", type=int, help="with --repeat: seed of the perturbations (default 0)")

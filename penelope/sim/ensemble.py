@@ -27,7 +27,7 @@ from penelope.costmodel import CostModel
 from penelope.errors import UsageError
 from penelope.sim.metrics import CHANGE_FIELDS, Summary
 from penelope.sim.perturb import Perturbation
-from penelope.sim.run import BASELINE, PolicyResult, SimConfig, compare_with_baseline, run_policy
+from penelope.sim.run import BASELINE, PolicyResult, SimConfig, compare_with_baseline, json_ready, run_policy
 from penelope.sim.stats import CONFIDENCE, Estimate
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads import Workload
@@ -93,8 +93,6 @@ class Ensemble:
     def policy_dict(self, policy: str) -> dict:
         """JSON-ready: every metric and change as mean, low, high, n; each change's verdict; and
         every run's figures (`PolicyResult.as_dict`)."""
-        from penelope.sim.run import json_ready
-
         first = self.runs[0][policy]
         return json_ready({
             "policy": first.canonical,
