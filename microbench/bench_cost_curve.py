@@ -39,13 +39,14 @@ to others; on an idle machine the two clocks agree. Times are the minimum of 7 r
 well under a minute.
 
 Outputs (in ``--bench-out``, default ``results/<cpu|gpu>``): ``cost_curve_<kind>.json`` (the
-table), ``cost_curve_<kind>.png`` (measured vs predicted), ``cost_curve_<kind>.txt`` and
-``calibration_<kind>.json`` for the simulator (``penelope.sim.timemodel.TimeModel.from_json``):
-``sec_per_linear_unit``, ``sec_per_attention_pair`` and ``batch_overhead`` fitted to every timed
-batch (``time = overhead + s_lin * c_lin * tokens + s_pair * pairs``, non-negative least squares
-on relative errors), ``hbm_bandwidth`` from the decode steps (``time - overhead = (weight_bytes +
-kv_bytes_per_token * n) / bandwidth``), the ``weight_bytes`` and ``kv_bytes_per_token`` of the
-dtype that ran, and ``model``/``gpu``/``source``.
+table, with one batch-1 decode step per context for reference), ``cost_curve_<kind>.png``
+(measured vs predicted), ``cost_curve_<kind>.txt`` and ``calibration_<kind>.json`` for the
+simulator (``penelope.sim.timemodel.TimeModel.from_json``): ``sec_per_linear_unit``,
+``sec_per_attention_pair`` and ``batch_overhead`` (per prefill batch) fitted to every timed batch
+(``time = overhead + s_lin * c_lin * tokens + s_pair * pairs``, non-negative least squares on
+relative errors), and ``model``/``gpu``/``source``, merged into what the file holds
+(``write_calibration``). The decode constants come from ``bench_decode.py``, which fits its own
+overhead and bandwidth over batch sizes and contexts.
 
 Run: ``python -m pytest microbench/bench_cost_curve.py --benchmark-json out.json -s``.
 """
@@ -74,6 +75,7 @@ from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.engine.weights import expected_shapes, from_state_dict, random_weights
 from penelope.model_configs import BUILTIN_CONFIGS
 from penelope.models import ModelShape, shape_from_config
+from penelope.sim.timemodel import write_calibration
 
 GPU_CONTEXTS = tuple(k * 1024 for k in (8, 16, 32, 64, 128))
 EVICT_FRAC = 0.3
@@ -414,7 +416,6 @@ class CurveRun:
 
     def calibration(self) -> dict:
         """Time-model constants fitted to this run (keys of ``penelope.sim.timemodel``)."""
-        shape = self.setup.shape()
         points = []
         for row in self.rows:
             tokens = row["query_tokens"]
@@ -424,10 +425,8 @@ class CurveRun:
                 context = row["context"]
                 points.append((self.cost.c_lin * context, self.cost.attention_pairs(0, context),
                                row["prefill_seconds"]))
-        elem = torch.empty((), dtype=self.setup.dtype).element_size()
-        decode = [(row["context"] + 1, row["decode_seconds"]) for row in self.rows]
-        return fit_calibration(points, decode, shape, elem, model=self.setup.config.name,
-                               gpu=_gpu_kind(self.device), source=self._source())
+        return fit_calibration(points, model=self.setup.config.name, gpu=_gpu_kind(self.device),
+                               source=self._source())
 
     def _source(self) -> str:
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -441,7 +440,7 @@ class CurveRun:
         summary = self.summary()
         kind = self.setup.kind
         (folder / f"cost_curve_{kind}.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (folder / f"calibration_{kind}.json").write_text(json.dumps(summary["calibration"], indent=2) + "\n")
+        write_calibration(folder / f"calibration_{kind}.json", summary["calibration"])
         table = format_table(summary)
         (folder / f"cost_curve_{kind}.txt").write_text(table + "\n")
         plot_curve(summary, folder / f"cost_curve_{kind}.png")
@@ -471,18 +470,14 @@ def _nnls_fit(features: np.ndarray, target: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_calibration(points, decode, shape: ModelShape, elem_bytes: int, model: str, gpu: str | None,
-                    source: str) -> dict:
-    """Fit the time model's constants to measured batches.
+def fit_calibration(points, model: str, gpu: str | None, source: str) -> dict:
+    """Fit the time model's prefill constants to measured batches.
 
     points: ``(linear_units, attention_pairs, seconds)`` per timed prefill batch, units as in
-    ``penelope.costmodel`` (``linear_units = c_lin * tokens``); decode: ``(kv_tokens, seconds)``
-    per decode step of one request. Prefill: ``seconds = batch_overhead + sec_per_linear_unit *
-    linear_units + sec_per_attention_pair * pairs`` with non-negative constants, each point weighed
-    by 1 / seconds (relative errors). Decode: ``seconds - batch_overhead = (weight_bytes +
-    kv_bytes_per_token * kv_tokens) / hbm_bandwidth``, bytes at ``elem_bytes`` per element.
-    Constants the data cannot determine (a zero or negative fit) are left out, so the simulator
-    keeps its estimate for them.
+    ``penelope.costmodel`` (``linear_units = c_lin * tokens``): ``seconds = batch_overhead +
+    sec_per_linear_unit * linear_units + sec_per_attention_pair * pairs`` with non-negative
+    constants, each point weighed by 1 / seconds (relative errors). Constants the data cannot
+    determine (a zero fit) are left out, so the simulator keeps its estimate for them.
     """
     result: dict = {"model": model}
     if gpu is not None:
@@ -498,17 +493,6 @@ def fit_calibration(points, decode, shape: ModelShape, elem_bytes: int, model: s
         if per_pair > 0:
             result["sec_per_attention_pair"] = float(per_pair)
         result["batch_overhead"] = float(overhead)
-    weight_bytes = shape.active_params() * elem_bytes
-    kv_bytes = shape.kv_bytes_per_token(elem_bytes)
-    result["weight_bytes"] = float(weight_bytes)
-    result["kv_bytes_per_token"] = float(kv_bytes)
-    if decode:
-        overhead = result.get("batch_overhead", 0.0)
-        read = np.array([weight_bytes + kv_bytes * tokens for tokens, _ in decode])
-        busy = np.array([seconds - overhead for _, seconds in decode])
-        inverse = float(read @ busy / (read @ read))
-        if inverse > 0:
-            result["hbm_bandwidth"] = 1.0 / inverse
     return result
 
 

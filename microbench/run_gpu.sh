@@ -3,12 +3,16 @@
 #
 #   bash microbench/run_gpu.sh            # results in ${OUT:-results/gpu}
 #
-# Runs the test_gpu* benchmarks of each microbench/bench_*.py (the cost curve first), each under
-# its own timeout, all within TOTAL_BUDGET seconds (default 450: under 8 minutes with start-up).
+# Runs the test_gpu* benchmarks of each microbench/bench_*.py (the cost curve first, then the
+# decode calibration), each under its own timeout, all within TOTAL_BUDGET seconds (default 450:
+# under 8 minutes with start-up).
 # Writes into the output folder (few files, so the device tool brings them all back):
 #   benchmarks.json     every step's pytest-benchmark results merged (compare.py reads it)
 #   run_gpu.log         every step's output, nvidia-smi, the comparison with the baseline
-#   cost_curve_gpu.{json,png,txt}, calibration_gpu.json   from bench_cost_curve.py
+#   cost_curve_gpu.{json,png,txt}   from bench_cost_curve.py
+#   decode_gpu.{json,txt}           from bench_decode.py (batch 1/4/8 x context 1K..128K)
+#   calibration_gpu.json            prefill constants (cost curve) + decode constants (decode),
+#                                   for `penelope simulate --calibration`
 # Exit code: 0 when every step passed (or had no GPU benchmark), 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +21,7 @@ OUT_DIR=${OUT:-results/gpu}
 TOTAL_BUDGET=${TOTAL_BUDGET:-450}
 DEFAULT_STEP=120
 # Per-step limits in seconds; the cost curve bounds itself at 230 s (SETUPS["gpu"].budget_s).
-declare -A STEP_LIMIT=([bench_cost_curve]=290)
+declare -A STEP_LIMIT=([bench_cost_curve]=290 [bench_decode]=150)
 
 if [ -n "${PYTHON:-}" ]; then :; elif [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 mkdir -p "$OUT_DIR"
@@ -35,9 +39,9 @@ if ! "$PYTHON" -c "import penelope.kernels.ragged_attention, penelope.engine.mod
     "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { say "install failed"; exit 1; }
 fi
 
-files=(microbench/bench_cost_curve.py)
+files=(microbench/bench_cost_curve.py microbench/bench_decode.py)
 for f in microbench/bench_*.py; do
-    [ "$f" = microbench/bench_cost_curve.py ] || files+=("$f")
+    case "$f" in microbench/bench_cost_curve.py|microbench/bench_decode.py) ;; *) files+=("$f") ;; esac
 done
 
 status=0

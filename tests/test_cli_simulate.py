@@ -129,6 +129,13 @@ def test_analyze_weka_folder(tmp_path, capsys):
         (["simulate", "--format", "csv"], "unknown workload format"),
         (["simulate", "--limit-sessions", "0"], "--limit-sessions"),
         (["simulate", "--trace", str(TRACES), "--overflow", "wrap"], "overflow"),
+        (["simulate", "--band", "0.1"], "--band applies to the runs of an ensemble: give --repeat N"),
+        (["simulate", "--jobs", "2"], "--jobs applies to the runs of an ensemble"),
+        (["simulate", "--repeat", "0"], "--repeat must be at least 1"),
+        (["simulate", "--repeat", "2", "--band", "1.5"], "--band must be in [0, 1)"),
+        (["simulate", "--repeat", "2", "--jitter", "-0.1"], "--jitter must be in [0, 1)"),
+        (["simulate", "--repeat", "2", "--jobs", "0"], "--jobs must be at least 1"),
+        (["simulate", "--phantom-kernel", "cuda"], "unknown phantom kernel 'cuda'"),
         (["analyze"], "needs a trace"),
         (["analyze", str(TRACES), "--gpu-cache", "64K,128K"], "one capacity"),
     ],
@@ -171,3 +178,44 @@ def test_calibration_file_drives_the_time_model(tmp_path):
     # Every first token comes out of at least one prefill batch, which now takes over a second.
     for result in payload["results"].values():
         assert result["ttft_p50"] >= 1.0 and result["ttft_mean"] >= 1.0
+
+
+def without_wall_time(results):
+    return {name: {k: v for k, v in r.items() if k != "wall_time"} for name, r in results.items()}
+
+
+def test_repeat_one_is_the_single_unperturbed_replay(tmp_path):
+    args = ("--limit-sessions", "2", "--gpu-cache", "64K")
+    plain = simulate(tmp_path, *args)
+    once = simulate(tmp_path, *args, "--repeat", "1")
+    assert without_wall_time(once["results"]) == without_wall_time(plain["results"])
+    assert "ensemble" not in once["config"]
+
+
+def test_repeat_reports_means_intervals_and_paired_verdicts(tmp_path, capsys):
+    payload = simulate(tmp_path, "--limit-sessions", "2", "--gpu-cache", "64K,96K", "--repeat", "3", "--jobs", "1",
+                       "--band", "0.05", "--jitter", "0.1", "--perturb-seed", "4", "--phantom-kernel", "triton",
+                       "--plot", str(tmp_path / "e.png"))
+    ensemble = payload["config"]["ensemble"]
+    assert (ensemble["repeat"], ensemble["band"], ensemble["jitter"], ensemble["seed"]) == (3, 0.05, 0.1, 4)
+    assert payload["config"]["time_model"]["phantom_kernel"] == "triton"
+    for entry in payload["sweep"]:
+        sglang, penelope = entry["results"]["sglang"], entry["results"]["penelope"]
+        assert sglang["policy"] == "leaf-tail-node" and len(penelope["runs"]) == 3
+        ttft = penelope["metrics"]["ttft_mean"]
+        runs = [run["ttft_mean"] for run in penelope["runs"]]
+        assert ttft["mean"] == pytest.approx(sum(runs) / 3) and ttft["low"] < ttft["mean"] < ttft["high"]
+        change = penelope["vs_sglang"]["ttft_mean"]
+        per_run = [run["vs_sglang"]["ttft_mean"] for run in penelope["runs"]]
+        assert change["mean"] == pytest.approx(sum(per_run) / 3)
+        significant = change["high"] < 0 or change["low"] > 0
+        assert (change["verdict"] != "no significant difference") == significant
+        assert sglang["vs_sglang"]["ttft_mean"] == {"mean": 0.0, "low": 0.0, "high": 0.0, "n": 3,
+                                                    "confidence": 0.95, "verdict": "no significant difference"}
+        # Penelope's phantom batches ran on the Triton kernel; SGLang never refills a hole.
+        assert all(run["phantom_batches"] > 0 for run in penelope["runs"])
+        assert all(run["phantom_batches"] == 0 for run in sglang["runs"])
+    out = capsys.readouterr().out
+    assert out.count("changes against sglang, paired run by run") == 2 and "3 runs (" in out
+    assert "batches refilling holes on the Triton ragged kernel at 1.5x" in out
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"

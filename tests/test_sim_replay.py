@@ -31,7 +31,9 @@ def simple_time_model(**changes) -> TimeModel:
         sec_per_linear_unit=PER_TOKEN,
         sec_per_attention_pair=PER_PAIR,
         batch_overhead=OVERHEAD,
+        decode_overhead=OVERHEAD,
         weight_bytes=1e9,
+        embedding_row_bytes=0.0,
         hbm_bandwidth=1e12,
         kv_bytes_per_token=0.0,
     )
@@ -153,6 +155,33 @@ def test_a_request_that_never_fits_is_skipped_counted_and_the_session_goes_on():
     # The skipped request counts as done at its send time; the next is sent 3 s later.
     skipped_send = records["s0", 0].finish_time + 1.0
     assert records["s0", 2].send_time == pytest.approx(skipped_send + 3.0, abs=1e-12)
+
+
+def test_a_batch_that_refills_a_hole_runs_on_the_phantom_kernel():
+    # Session 0's history (4 blocks) loses one block while session 1 runs; its next request
+    # refills it. Penelope evicts the front, so the batch holds a phantom hole [0, 64) and the
+    # new tokens [256, 320); SGLang evicts the tail and recomputes [64, 320) contiguously.
+    work = workload([
+        [request([1, 2, 3, 4], 256, 1, tail=0), request([1, 2, 3, 4, 5], 320, 1, think=50.0, tail=1)],
+        [request([11, 12, 13], 192, 1, tail=2)],
+    ])
+    outcome = {}
+    for kernel in ("fa3", "triton"):
+        model = simple_time_model(phantom_kernel=kernel, triton_pair_ratio=1.5)
+        for policy in ("sglang", "penelope"):
+            cache = KVCache(7 * B, B, policy, cost_model=COST)
+            result = Replay(work, cache, model, COST, sessions=2, order="fcfs").run()
+            outcome[kernel, policy] = result, {(r.session, r.index): r for r in result.records}
+    penelope, records = outcome["triton", "penelope"]
+    assert penelope.phantom_batches == 1 and penelope.phantom_tokens == 64
+    assert records["s0", 1].ttft == pytest.approx(
+        OVERHEAD + PER_TOKEN * 128 + 1.5 * PER_PAIR * (sum(range(0, 64)) + sum(range(256, 320))), abs=1e-12
+    )
+    assert outcome["fa3", "penelope"][1]["s0", 1].ttft == pytest.approx(prefill((0, 64), (256, 320)), abs=1e-12)
+    # SGLang never refills a hole: the kernel choice does not change its replay.
+    for key in (("s0", 0), ("s1", 0), ("s0", 1)):
+        assert outcome["fa3", "sglang"][1][key] == outcome["triton", "sglang"][1][key]
+    assert outcome["triton", "sglang"][0].phantom_batches == 0
 
 
 def test_decode_step_times_match_the_time_model_step_by_step():

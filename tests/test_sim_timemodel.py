@@ -18,6 +18,7 @@ def round_numbers(model="qwen3-8b", **extra):
         sec_per_linear_unit=1e-9,
         sec_per_attention_pair=2e-9,
         batch_overhead=1e-3,
+        decode_overhead=0.5e-3,
         hbm_bandwidth=1e12,
         load_bandwidth=1e10,
         **extra,
@@ -31,13 +32,20 @@ def test_qwen3_8b_h100_estimate_is_derived_from_the_shape():
     # One unit = 4 * head_dim * q_heads * layers FLOPs at half of 989 TFLOP/s.
     assert model.sec_per_linear_unit == pytest.approx(4 * 128 * 32 * 36 / (989e12 * 0.5), rel=1e-12)
     assert model.sec_per_attention_pair == model.sec_per_linear_unit
-    assert model.hbm_bandwidth == pytest.approx(3.35e12 * 0.8)
-    assert model.weight_bytes == pytest.approx(2 * shape.active_params())
+    assert model.batch_overhead == 3e-3 and model.decode_overhead == 0.5e-3
+    assert model.hbm_bandwidth == pytest.approx(3.35e12 * 0.7)
+    # A decode step reads every weight but the input-embedding table (151,936 x 4,096), whose
+    # rows it looks up one per token: the table is 7.6% of all parameters.
+    embedding = 151936 * 4096
+    assert model.weight_bytes == pytest.approx(2 * (shape.active_params() - embedding))
+    assert 1 - model.weight_bytes / (2 * shape.active_params()) == pytest.approx(0.076, abs=5e-4)
+    assert model.embedding_row_bytes == 2 * 4096
     assert model.expert_bytes == 0 and model.num_experts == 0
     assert model.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147456
     assert model.window_kv_bytes_per_token == 0
+    assert model.phantom_kernel == "fa3" and model.triton_pair_ratio == 1.5
     h200 = TimeModel.estimate("qwen3-8b", "h200")
-    assert h200.hbm_bandwidth == pytest.approx(4.8e12 * 0.8)
+    assert h200.hbm_bandwidth == pytest.approx(4.8e12 * 0.7)
     assert h200.sec_per_linear_unit == model.sec_per_linear_unit
 
 
@@ -66,7 +74,8 @@ def test_moe_estimate_reads_dense_weights_plus_routed_experts():
     shape = get_model("qwen3-235b-a22b")
     one_expert = 94 * 3 * 4096 * 1536 * 2
     assert model.expert_bytes == one_expert
-    assert model.weight_bytes + 8 * model.expert_bytes == pytest.approx(2 * shape.active_params())
+    embedding = 2 * shape.vocab_size * shape.hidden_size
+    assert model.weight_bytes + 8 * model.expert_bytes + embedding == pytest.approx(2 * shape.active_params())
     assert model.expected_experts(1) == pytest.approx(8)
     assert model.expected_experts(2) == pytest.approx(128 * (1 - (120 / 128) ** 2))
     assert model.expected_experts(10_000) == pytest.approx(128)
@@ -100,10 +109,27 @@ def test_prefill_times_reproduce_the_cost_model_speedup():
     assert 2.7 < tail / front < 3.0
 
 
+def test_prefill_of_a_hole_batch_on_the_triton_kernel_pays_more_attention_only():
+    fa3 = round_numbers()
+    triton = dataclasses.replace(fa3, phantom_kernel="triton", triton_pair_ratio=1.5)
+    contiguous = fa3.prefill_time(1000, 5e5)
+    # Without holes both cost the FA3 speed; with holes FA3 is unchanged by default.
+    assert triton.prefill_time(1000, 5e5) == contiguous == fa3.prefill_time(1000, 5e5, holes=True)
+    assert (fa3.prefill_kernel(True), triton.prefill_kernel(True), triton.prefill_kernel(False)) == (
+        "fa3", "triton", "fa3")
+    # 1e-3 + 1e-9 * 23552 * 1000 + 1.5 * 2e-9 * 5e5: only the attention term grows.
+    assert triton.prefill_time(1000, 5e5, holes=True) == pytest.approx(1e-3 + 23552e-6 + 1.5e-3)
+    with pytest.raises(UsageError, match="unknown phantom kernel 'cuda'"):
+        dataclasses.replace(fa3, phantom_kernel="cuda")
+    with pytest.raises(UsageError, match="triton_pair_ratio must be positive"):
+        dataclasses.replace(fa3, triton_pair_ratio=0.0)
+
+
 def test_decode_step_time_by_hand():
     model = round_numbers()
-    expected = 1e-3 + (model.weight_bytes + 147456 * 50_000) / 1e12
-    assert model.decode_step_time(2, 50_000) == pytest.approx(expected)
+    # Its own overhead (not the prefill batch's), the weights, two embedding rows, the KV.
+    expected = 0.5e-3 + (model.weight_bytes + 2 * 8192 + 147456 * 50_000) / 1e12
+    assert model.decode_step_time(2, 50_000) == pytest.approx(expected, rel=1e-12)
     assert model.decode_step_time(0, 0) == 0.0
     with pytest.raises(UsageError):
         model.decode_step_time(1, -5)
@@ -112,9 +138,12 @@ def test_decode_step_time_by_hand():
 def test_decode_reads_only_routed_experts():
     model = round_numbers("qwen3-235b-a22b")
     one = model.decode_step_time(1, 0)
-    assert one == pytest.approx(1e-3 + (model.weight_bytes + 8 * model.expert_bytes) / 1e12)
+    rows = model.embedding_row_bytes
+    assert one == pytest.approx(0.5e-3 + (model.weight_bytes + rows + 8 * model.expert_bytes) / 1e12)
     many = model.decode_step_time(1000, 0)
-    assert many == pytest.approx(1e-3 + (model.weight_bytes + 128 * model.expert_bytes) / 1e12, rel=1e-6)
+    assert many == pytest.approx(
+        0.5e-3 + (model.weight_bytes + 1000 * rows + 128 * model.expert_bytes) / 1e12, rel=1e-6
+    )
 
 
 def test_decode_sliding_window_layers_read_at_most_their_window():
@@ -154,12 +183,15 @@ def test_calibration_json_overrides_estimates(tmp_path):
                 "source": "bench_cost_curve",
                 "sec_per_linear_unit": 1.5e-9,
                 "batch_overhead": 0.004,
+                "decode_overhead": 0.0004,
+                "triton_pair_ratio": 1.2,
             }
         )
     )
     model = TimeModel.from_json(path, "qwen3-8b", "h200")
     base = TimeModel.estimate("qwen3-8b", "h200")
     assert model.sec_per_linear_unit == 1.5e-9 and model.batch_overhead == 0.004
+    assert model.decode_overhead == 0.0004 and model.triton_pair_ratio == 1.2
     assert model.sec_per_attention_pair == base.sec_per_attention_pair
     assert model.hbm_bandwidth == base.hbm_bandwidth and model.c_lin == base.c_lin
     assert set(CALIBRATION_KEYS) <= set(dataclasses.asdict(model))
@@ -193,3 +225,23 @@ def test_calibration_file_problems_and_unknown_gpu(tmp_path):
         TimeModel.from_json(bad)
     with pytest.raises(UsageError, match="unknown GPU 'a100'"):
         TimeModel.estimate("qwen3-8b", "a100")
+
+
+def test_write_calibration_merges_files_of_the_same_model_and_gpu(tmp_path):
+    from penelope.sim.timemodel import write_calibration
+
+    path = tmp_path / "calibration.json"
+    write_calibration(path, {"model": "qwen3-8b", "gpu": "h200", "source": "cost curve", "batch_overhead": 0.002})
+    merged = write_calibration(path, {"model": "qwen3-8b", "gpu": "h200", "source": "decode",
+                                      "decode_overhead": 4e-4, "hbm_bandwidth": 3.3e12})
+    assert json.loads(path.read_text()) == merged == {
+        "model": "qwen3-8b", "gpu": "h200", "source": "cost curve; decode", "batch_overhead": 0.002,
+        "decode_overhead": 4e-4, "hbm_bandwidth": 3.3e12}
+    # Writing the same constants again names its source once.
+    assert write_calibration(path, {"model": "qwen3-8b", "gpu": "h200", "source": "decode"})["source"] == (
+        "cost curve; decode")
+    # Another GPU's constants replace the file rather than mix with it.
+    assert write_calibration(path, {"model": "qwen3-8b", "gpu": "h100", "source": "x", "decode_overhead": 1e-3}) == {
+        "model": "qwen3-8b", "gpu": "h100", "source": "x", "decode_overhead": 1e-3}
+    with pytest.raises(UsageError, match="unknown calibration keys tflops"):
+        write_calibration(path, {"tflops": 1})

@@ -2,11 +2,16 @@
 
 Runs, one after the other, the cost curve of the paper's position experiment (`penelope cost`),
 and trace replays of the embedded synthetic Claude Code workload (`penelope simulate`): SGLang vs
-Penelope over a capacity sweep, then the six-policy ablation grid under pressure. Every step
-writes its JSON and plot into the output folder and prints its table."""
+Penelope over a capacity sweep, then the six-policy ablation grid under pressure. Every replay is
+an ensemble of DEFAULT_REPEAT seeded, perturbed runs (`--repeat`), so every figure comes with its
+95% interval. Every step writes its JSON and plot into the output folder and prints its table."""
 from __future__ import annotations
 
 from pathlib import Path
+
+# Runs per replay setting: intervals narrow enough to tell the policies apart, and the whole job
+# within a few minutes on a 2-core machine.
+DEFAULT_REPEAT = 6
 
 
 def add_parser(subparsers) -> None:
@@ -20,6 +25,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--sweep", default="128K,192K,256K", help="GPU cache capacities of the replay")
     parser.add_argument("--ablation-cache", default="192K", help="GPU cache capacity of the ablation grid")
     parser.add_argument("--limit-sessions", metavar="N", help="replay only the first N sessions (quick look)")
+    parser.add_argument(
+        "--repeat", type=int, default=DEFAULT_REPEAT, metavar="N",
+        help=f"runs per replay setting, seeded and perturbed (default {DEFAULT_REPEAT}; 1: one unperturbed run)",
+    )
+    parser.add_argument("--band", help="time-model perturbation per run (see penelope simulate --help)")
+    parser.add_argument("--jitter", help="wait perturbation per run (see penelope simulate --help)")
+    parser.add_argument("--perturb-seed", help="seed of the perturbations")
+    parser.add_argument("--jobs", help="worker processes of each ensemble (default: the CPU cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -31,6 +44,11 @@ def run(args) -> int:
     replay = ["--no-progress"] if args.no_progress else []
     if args.limit_sessions:
         replay += ["--limit-sessions", str(args.limit_sessions)]
+    replay += ["--repeat", str(args.repeat)]
+    for flag, value in (("--band", args.band), ("--jitter", args.jitter), ("--perturb-seed", args.perturb_seed),
+                        ("--jobs", args.jobs)):
+        if value is not None:
+            replay += [flag, str(value)]
     steps = [
         ("cost curve", ["cost", "--model", args.model, "--json", str(out / "cost.json"),
                         "--plot", str(out / "cost.png")]),

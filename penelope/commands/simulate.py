@@ -4,6 +4,8 @@ policies and compare TTFT, session completion time (JCT) and hit rate against SG
 With no arguments it replays the embedded synthetic workload (24 sessions, about 4,800
 requests, the paper's Claude Code statistics) on Qwen3-8B with a 256K-token GPU cache, 4
 sessions at a time, longest-prefix-first, SGLang vs Penelope: about 20 s on a 2-core machine.
+With `--repeat N` every setting is replayed N times with seeded perturbations
+(`penelope.sim.ensemble`), in parallel, and every figure is reported with its 95% interval.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gpu", default="h100", help=f"GPU of the time model's estimates: {' | '.join(GPUS)}")
     parser.add_argument("--calibration", metavar="FILE", help="calibration JSON overriding the time model")
     parser.add_argument(
+        "--phantom-kernel",
+        default="fa3",
+        help="attention kernel costing prefill batches that refill holes: fa3 (as fast as SGLang's contiguous "
+        "prefill) | triton (the project's ragged kernel, slower by the time model's triton_pair_ratio)",
+    )
+    parser.add_argument(
         "--gpu-cache",
         help="GPU KV capacity in tokens, or a comma-separated sweep (default: the paper's, 256K for Qwen3-8B)",
     )
@@ -55,9 +63,68 @@ def add_parser(subparsers) -> None:
         default="sglang,penelope",
         help="comma-separated eviction policies, or 'ablation' for the paper's six-policy grid",
     )
+    add_ensemble_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT and hit rate per policy")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_ensemble_arguments(parser) -> None:
+    """--repeat and the perturbation of its runs (shared with `penelope reproduce`)."""
+    from penelope.sim.perturb import DEFAULT_BAND
+
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="replay each setting N times with seeded perturbations and report means with 95%% intervals "
+        "(default 1: one unperturbed replay)",
+    )
+    parser.add_argument(
+        "--band",
+        type=float,
+        metavar="X",
+        help=f"with --repeat: each time-model constant is scaled by a factor in [1-X, 1+X] per run "
+        f"(default {DEFAULT_BAND})",
+    )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        metavar="X",
+        help="with --repeat: each wait between requests is scaled by a factor in [1-X, 1+X] per run (default 0)",
+    )
+    parser.add_argument("--perturb-seed", type=int, help="with --repeat: seed of the perturbations (default 0)")
+    parser.add_argument(
+        "--jobs", type=int, metavar="J", help="with --repeat: worker processes (default: the CPU cores)"
+    )
+
+
+def ensemble_options(args):
+    """(repeat, Perturbation or None, jobs) from the options; perturbation options need --repeat N >= 2."""
+    from penelope.errors import UsageError
+    from penelope.sim.ensemble import default_jobs
+    from penelope.sim.perturb import DEFAULT_BAND, Perturbation
+
+    repeat = args.repeat
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
+                                      ("--perturb-seed", args.perturb_seed), ("--jobs", args.jobs))
+             if value is not None]
+    if repeat == 1:
+        if given:
+            raise UsageError(f"{given[0]} applies to the runs of an ensemble: give --repeat N with N >= 2")
+        return 1, None, 1
+    perturbation = Perturbation(
+        band=DEFAULT_BAND if args.band is None else args.band,
+        jitter=0.0 if args.jitter is None else args.jitter,
+        seed=0 if args.perturb_seed is None else args.perturb_seed,
+    )
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {jobs}")
+    return repeat, perturbation, jobs
 
 
 def run(args) -> int:
@@ -65,6 +132,7 @@ def run(args) -> int:
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
+    repeat, perturbation, jobs = ensemble_options(args)
     setup = prepare(args)
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
@@ -72,6 +140,8 @@ def run(args) -> int:
     config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
     time_model: TimeModel = setup["time_model"]
     print_config(config_json, time_model)
+    if repeat > 1:
+        return run_ensemble(args, setup, policies, repeat, perturbation, jobs)
 
     bar = progress_bar(workload.num_requests * len(policies) * len(capacities), args.no_progress)
     sweep = []
@@ -109,10 +179,62 @@ def run(args) -> int:
     return 0
 
 
+def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbation, jobs: int) -> int:
+    """`simulate --repeat N`: every capacity and policy replayed N times, paired by run."""
+    from penelope.sim.ensemble import run_ensembles
+    from penelope.sim.ensemble_report import ensemble_tables, plot_ensembles
+    from penelope.sim.stats import CONFIDENCE
+
+    workload, config_json, capacities = setup["workload"], setup["config"], setup["capacities"]
+    config_json["ensemble"] = {
+        "repeat": repeat,
+        "jobs": jobs,
+        "confidence": CONFIDENCE,
+        "interval": "Student t over runs; changes paired run by run",
+        **perturbation.as_dict(),
+    }
+    print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
+    bar = progress_bar(workload.num_requests * len(policies) * len(capacities) * repeat, args.no_progress)
+    try:
+        ensembles = run_ensembles(
+            workload, policies, [setup["make_config"](c) for c in capacities], setup["time_model"], setup["cost"],
+            repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    sweep = list(zip(capacities, ensembles, strict=True))
+    for capacity, ensemble in sweep:
+        print()
+        print(ensemble_tables(capacity, ensemble))
+    print(
+        "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
+        "a change is a win or a loss only when its interval excludes zero"
+    )
+    if args.json:
+        payload = {"config": config_json}
+        if len(sweep) == 1:
+            payload["results"] = {name: sweep[0][1].policy_dict(name) for name in policies}
+        else:
+            payload["sweep"] = [
+                {"gpu_cache": capacity, "results": {name: ensemble.policy_dict(name) for name in policies}}
+                for capacity, ensemble in sweep
+            ]
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_ensembles(args.plot, sweep, setup["shape"].name)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def prepare(args) -> dict:
     """Everything both `simulate` and `analyze` need from the options: the workload, the model,
     the time and cost models, the GPU capacities (the model's default when none is given) and a
     factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
+    import dataclasses
+
     from penelope.costmodel import CostModel
     from penelope.models import get_model
     from penelope.sim.options import load_from_args
@@ -125,6 +247,7 @@ def prepare(args) -> dict:
         time_model = TimeModel.from_json(args.calibration, shape, args.gpu)
     else:
         time_model = TimeModel.estimate(shape, args.gpu)
+    time_model = dataclasses.replace(time_model, phantom_kernel=getattr(args, "phantom_kernel", "fa3"))
     capacities = parse_size_list(args.gpu_cache, "--gpu-cache") if args.gpu_cache else []
     cpu_cache = parse_size(args.cpu_cache, "--cpu-cache", allow_zero=True)
     swap_buffer = parse_size(getattr(args, "swap_buffer", "1K"), "--swap-buffer")
@@ -200,6 +323,7 @@ def print_config(config: dict, time_model) -> None:
         f"({'calibrated from ' + config['calibration'] if config['calibration'] else 'estimated time model'}), "
         f"c_lin {time_model.c_lin:,.0f}"
     )
+    print(f"  prefill attention: {kernel_statement(time_model)}")
     gpu_cache = config["gpu_cache"]
     sizes = ", ".join(format_size(c) for c in gpu_cache) if isinstance(gpu_cache, list) else format_size(gpu_cache)
     print(
@@ -207,6 +331,17 @@ def print_config(config: dict, time_model) -> None:
         f"{config['sessions']} sessions at once, {config['scheduler'].upper()} scheduler, "
         f"{config['chunk_size']} prefill tokens per batch"
     )
+
+
+def kernel_statement(time_model) -> str:
+    """Which attention kernel each prefill batch is costed with, in words."""
+    text = "contiguous batches on FA3"
+    if time_model.phantom_kernel == "triton":
+        return (
+            text + f"; batches refilling holes on the Triton ragged kernel at {time_model.triton_pair_ratio:g}x "
+            "FA3's seconds per attention pair"
+        )
+    return text + ", batches refilling holes too (--phantom-kernel triton: the Triton ragged kernel)"
 
 
 def results_table(capacity: int, results: dict) -> str:

@@ -9,7 +9,8 @@ Timing (seconds of simulated time):
   prompt continues, or a waiting request is admitted), it runs, pausing decode; otherwise one
   decode step runs for every request that has its first token and still generates. A prefill
   batch takes `TimeModel.prefill_time` over every span it computes (phantom holes and new
-  tokens: linear units per token, attention pairs from the cost model) plus CPU->GPU loads;
+  tokens: linear units per token, attention pairs from the cost model; a batch with a phantom
+  segment on the time model's `phantom_kernel`) plus CPU->GPU loads;
   a decode step takes `TimeModel.decode_step_time` of the batch's KV.
 - A request's first token comes out of the batch that computes its last prompt chunk; its reply
   ends after `output_tokens - 1` decode steps (at once when it has at most one output token).
@@ -43,12 +44,14 @@ class ReplayResult:
     """What one replay produced: a record per finished request, and counters.
 
     skipped: requests never sent because they cannot fit the cache; prefill_batches,
-    decode_steps: batches run; phantom_tokens: hole tokens recomputed by phantoms;
+    decode_steps: batches run; phantom_batches: prefill batches that refilled a hole (costed with
+    the time model's `phantom_kernel`); phantom_tokens: hole tokens recomputed by phantoms;
     sim_time: simulated seconds until the last reply; wall_time: seconds the replay took."""
 
     records: list[RequestRecord] = field(default_factory=list)
     skipped: int = 0
     prefill_batches: int = 0
+    phantom_batches: int = 0
     decode_steps: int = 0
     prefill_tokens: int = 0
     phantom_tokens: int = 0
@@ -61,14 +64,7 @@ def decode_step_times(model: TimeModel, batch_size: int, kv_tokens: int, steps: 
     holding `kv_tokens` KV tokens at the first step, each step adding one token per request.
     Equal to `model.decode_step_time(batch_size, kv_tokens + k * batch_size)` for step k."""
     kv = kv_tokens + batch_size * np.arange(steps, dtype=np.float64)
-    window = np.minimum(kv, batch_size * model.sliding_window)
-    read = (
-        model.weight_bytes
-        + model.expected_experts(batch_size) * model.expert_bytes
-        + model.kv_bytes_per_token * kv
-        + model.window_kv_bytes_per_token * window
-    )
-    return model.batch_overhead + read / model.hbm_bandwidth
+    return model.decode_overhead + model.decode_read_bytes(batch_size, kv) / model.hbm_bandwidth
 
 
 class Replay:
@@ -166,8 +162,10 @@ class Replay:
                 tokens += end - start
                 pairs += self.cost.attention_pairs(start, end)
             loaded += chunk.loaded
-        self.now += self.time_model.prefill_time(tokens, pairs) + self.time_model.load_time(loaded)
+        holes = any(chunk.refills_hole for chunk in chunks)
+        self.now += self.time_model.prefill_time(tokens, pairs, holes) + self.time_model.load_time(loaded)
         self.result.prefill_batches += 1
+        self.result.phantom_batches += holes
         self.result.prefill_tokens += int(tokens)
         for chunk in chunks:
             if not chunk.last:

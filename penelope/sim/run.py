@@ -136,6 +136,7 @@ class PolicyResult:
             phantom_tokens=self.replay.phantom_tokens,
             evicted_tokens=self.cache_stats.evicted_tokens,
             prefill_batches=self.replay.prefill_batches,
+            phantom_batches=self.replay.phantom_batches,
             decode_steps=self.replay.decode_steps,
             sim_time=self.replay.sim_time,
             wall_time=self.replay.wall_time,
@@ -157,33 +158,45 @@ def run_policies(
     """Replay `workload` once per policy (names as given, keys of the result, in order) and
     compare each with the baseline; `policies` must include it (see `parse_policies`)."""
     cost = cost_model if cost_model is not None else CostModel(get_model(time_model.model))
-    results: dict[str, PolicyResult] = {}
-    baseline = None
-    for name in policies:
-        cache = make_cache(name, config, cost)
-        outcome = Replay(
-            workload,
-            cache,
-            time_model,
-            cost,
-            sessions=config.sessions,
-            order=config.scheduler,
-            chunk_size=config.chunk_size,
-            progress=progress,
-        ).run()
-        cache.check_invariants()
-        counters = getattr(cache, "counters", None)
-        result = PolicyResult(name, cache.policy.name, summarize(outcome.records), outcome, cache.stats,
-                              tiers=counters.as_dict() if counters is not None else None)
-        results[name] = result
-        if result.canonical == BASELINE:
-            baseline = name
+    results = {name: run_policy(workload, name, config, time_model, cost, progress) for name in policies}
+    compare_with_baseline(results)
+    return results
+
+
+def run_policy(
+    workload: Workload,
+    policy: str,
+    config: SimConfig,
+    time_model: TimeModel,
+    cost_model: CostModel,
+    progress=None,
+) -> PolicyResult:
+    """One replay of `workload` under `policy` from an empty cache; `changes` are left empty."""
+    cache = make_cache(policy, config, cost_model)
+    outcome = Replay(
+        workload,
+        cache,
+        time_model,
+        cost_model,
+        sessions=config.sessions,
+        order=config.scheduler,
+        chunk_size=config.chunk_size,
+        progress=progress,
+    ).run()
+    cache.check_invariants()
+    counters = getattr(cache, "counters", None)
+    return PolicyResult(policy, cache.policy.name, summarize(outcome.records), outcome, cache.stats,
+                        tiers=counters.as_dict() if counters is not None else None)
+
+
+def compare_with_baseline(results: dict[str, PolicyResult]) -> None:
+    """Set every result's `changes` against the baseline's result among them."""
+    baseline = next((name for name, r in results.items() if r.canonical == BASELINE), None)
     if baseline is None:
         raise UsageError(f"the policies must include the baseline {BASELINE_ALIAS!r}")
     changes = changes_against({name: r.summary for name, r in results.items()}, baseline)
     for name, result in results.items():
         result.changes = changes[name]
-    return results
 
 
 def baseline_of(results: dict[str, PolicyResult]) -> PolicyResult:

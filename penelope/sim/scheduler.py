@@ -43,7 +43,8 @@ class Job:
 
     tokens: int64 `[input_tokens]`, the prompt (dropped when the job finishes).
     After admission: `slots` int64 `[input_tokens]` (KV slot of every prompt position),
-    `out_slots` int64 `[output_tokens]`, `work` the (start, end) position spans still to compute,
+    `out_slots` int64 `[output_tokens]`, `work` the (start, end) position spans still to compute
+    (phantom holes, all before `compute_from`, then the new tokens from `compute_from`),
     `reused` tokens found resident, `recomputed` spans the cache had held before, `phantom`
     hole tokens refilled, `loaded` tokens loaded from a CPU tier. `number` is the session's
     position in the workload. Times in seconds of simulated time."""
@@ -59,6 +60,7 @@ class Job:
     slots: np.ndarray | None = None
     out_slots: np.ndarray | None = None
     work: list[tuple[int, int]] = field(default_factory=list)
+    compute_from: int = 0
     reused: int = 0
     recomputed: list[tuple[int, int]] = field(default_factory=list)
     phantom: int = 0
@@ -94,6 +96,11 @@ class Chunk:
     @property
     def tokens(self) -> int:
         return sum(end - start for start, end in self.segments)
+
+    @property
+    def refills_hole(self) -> bool:
+        """True when a segment is a phantom's: it lies before the job's `compute_from`."""
+        return any(start < self.job.compute_from for start, _ in self.segments)
 
 
 class Scheduler:
@@ -212,6 +219,7 @@ class Scheduler:
         job.slots = slots
         job.out_slots = fresh[used:]
         job.work = [(start, end) for start, end in work if end > start]
+        job.compute_from = match.compute_from
         job.reused = match.hit_tokens
         job.recomputed = list(match.recomputed)
         job.phantom = sum(end - start for start, end in match.holes)

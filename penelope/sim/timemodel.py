@@ -4,36 +4,76 @@ Prefill is compute-bound and follows the cost model (`penelope.costmodel`): a ba
 `tokens` new positions whose attention spans `pairs` query-key pairs (the cost model's unit, summed
 over layers and heads) takes
 
-    batch_overhead + sec_per_linear_unit * c_lin * tokens + sec_per_attention_pair * pairs.
+    batch_overhead + sec_per_linear_unit * c_lin * tokens + sec_per_attention_pair * k * pairs
+
+where k is the relative cost of the attention kernel that runs the batch (below).
 
 A decode step is memory-bound: it reads the weights once (for an MoE, the experts the batch's
-tokens route to) and every running request's KV:
+tokens route to), the input-embedding rows of its tokens, and every running request's KV:
 
-    batch_overhead + (weight_bytes + expected_experts(batch) * expert_bytes
-                      + kv_bytes_per_token * kv_tokens
-                      + window_kv_bytes_per_token * min(kv_tokens, batch * sliding_window))
-                     / hbm_bandwidth
+    decode_overhead + (weight_bytes + expected_experts(batch) * expert_bytes
+                       + embedding_row_bytes * batch
+                       + kv_bytes_per_token * kv_tokens
+                       + window_kv_bytes_per_token * min(kv_tokens, batch * sliding_window))
+                      / hbm_bandwidth
 
 (sliding-window layers read at most their window per request; exact when every request is at
 least a window long). A CPU->GPU load of n tokens takes `n * (kv_bytes_per_token +
 window_kv_bytes_per_token) / load_bandwidth`.
 
-Default constants are ESTIMATES from public specifications, not measurements (`TimeModel.estimate`):
-- peak dense bf16 FLOP/s per GPU: H100 SXM 989e12, H200 989e12; HBM: 3.35e12 and 4.8e12 B/s;
-  memory 80 and 141 GB.
-- `MFU` = 0.5 for linear layers and attention alike: large prefill GEMMs and FlashAttention-class
-  kernels reach about half of peak, and the paper's measured front/tail speedups matched the cost
-  model (which weighs a linear unit and an attention pair equally) within 4%.
-- `HBM_EFFICIENCY` = 0.8 of peak bandwidth in decode; `BATCH_OVERHEAD` = 3 ms per batch
-  (scheduling and launches); `LOAD_BANDWIDTH` = 50e9 B/s from pinned host memory over PCIe Gen5 x16.
+Attention kernel of a prefill batch (`prefill_kernel`): `sec_per_attention_pair` is the speed of
+a FlashAttention-3-class kernel, the one SGLang runs for contiguous prefill on Hopper (k = 1).
+A batch that refills a hole (a phantom segment; Penelope and the other head-evicting policies)
+needs attention over disjoint position ranges of one request, which this project runs with its
+own Triton ragged kernel (`penelope.kernels.ragged_attention`). `phantom_kernel="fa3"` (the
+default) assumes that kernel as fast as FA3; `phantom_kernel="triton"` charges every attention
+pair of such a batch `triton_pair_ratio` times FA3's seconds (the whole batch runs in one
+launch of the ragged kernel). Linear layers do not depend on the kernel.
+
+Default constants (`TimeModel.estimate`). Each says where it comes from; "estimate" marks a
+judgement, not a measurement of this project. A GPU calibration replaces them.
+- Peak dense bf16 FLOP/s per GPU (spec sheets): H100 SXM 989e12, H200 989e12; HBM: 3.35e12 and
+  4.8e12 B/s; memory 80 and 141 GB.
+- `MFU` = 0.5 for linear layers and attention alike (estimate): large prefill GEMMs and
+  FlashAttention-class kernels reach about half of peak (the FlashAttention-3 paper, Shah et al.
+  2024, reports up to 740 TFLOP/s = 75% of H100 peak for its forward pass at best; serving
+  shapes are smaller), and the paper's measured front/tail speedups matched the cost model
+  (which weighs a linear unit and an attention pair equally) within 4%.
+- `BATCH_OVERHEAD` = 3 ms per prefill batch (estimate): scheduling and eager kernel launches;
+  SGLang captures CUDA graphs for decode only, so a prefill batch launches every kernel of every
+  layer from Python.
+- `DECODE_OVERHEAD` = 0.5 ms per decode step (estimate, middle of 0.3-0.7 ms): SGLang replays a
+  captured CUDA graph per decode step and overlaps its CPU scheduling with the GPU ("zero-overhead
+  batch scheduler", SGLang v0.4 release blog, LMSYS, 2024-12-04), so what remains per step is the
+  gaps between the graph's few hundred kernels and the sampling step, not 3 ms of launches.
+  Settled by `microbench/bench_decode.py` on a GPU.
+- `HBM_EFFICIENCY` = 0.7 of peak bandwidth for decode reads (estimate within the 60-75% that is
+  typical): gpt-fast (pytorch-labs/gpt-fast README) reads Llama-2-7B's bf16 weights at 1,397 GB/s
+  at batch 1 on an A100-80GB, 69% of its 2,039 GB/s peak, per-step overhead included; paged KV
+  reads lose a little more (FlashInfer's README: its paged "vector-sparse" attention reaches 90%
+  of the bandwidth of dense kernels on the same problem). Long-context steps are dominated by
+  the paged KV read (128K tokens of Qwen3-8B KV are 19 GB against 15 GB of weights). Settled by
+  `microbench/bench_decode.py` on a GPU.
+- Weight bytes per decode step: every linear layer and the LM head, but only the rows of the
+  input-embedding table that the step's tokens look up (`embedding_row_bytes` per token), not
+  the whole table (622M parameters, 7.6% of Qwen3-8B's weights). With tied embeddings the one
+  table is read once, as the LM head.
+- `TRITON_PAIR_RATIO` = 1.5 (estimate): the project's Triton ragged kernel takes 1.5x FA3's
+  seconds per attention pair. Measured elsewhere: Triton's tutorial FlashAttention-2 kernel
+  against FA3 on an H100, head dim 128, 329 vs 430 TFLOP/s at 512 tokens and 477 vs 621 TFLOP/s
+  at 16K (pytorch/benchmark PR #2391, commit ff65cb6), i.e. FA3 1.3x faster. Our kernel reads
+  keys through `req_to_token` and has not been timed on a GPU against FA3, hence the margin.
+  A calibration (`triton_pair_ratio`) overrides it.
+- `LOAD_BANDWIDTH` = 50e9 B/s from pinned host memory over PCIe Gen5 x16 (estimate; 64 GB/s
+  peak per direction).
 - weights in bf16 (2 bytes per parameter), KV in bf16.
 - GPUs per model: the smallest power of two whose memory (90% usable) holds the weights plus the
   paper's KV capacity for that model (`PAPER_GPU_CACHE`), as tensor parallelism with no
   communication cost: Qwen3-8B 1 GPU, Qwen3-32B 2 H100 or 1 H200, Qwen3-235B-A22B 8.
 
-A calibration JSON (written by the cost-curve microbenchmark on a GPU) overrides any of
-`CALIBRATION_KEYS`; `model` and `gpu` keys, when present, must name the model and GPU it is
-applied to; `source` is free text; any other key is an error.
+A calibration JSON (written by the microbenchmarks on a GPU) overrides any of `CALIBRATION_KEYS`;
+`model` and `gpu` keys, when present, must name the model and GPU it is applied to; `source` is
+free text; any other key is an error.
 """
 
 from __future__ import annotations
@@ -66,8 +106,10 @@ GPUS = {
     "h200": GpuSpec("h200", peak_flops=989e12, hbm_bandwidth=4.8e12, memory_bytes=141e9),
 }
 MFU = 0.5
-HBM_EFFICIENCY = 0.8
+HBM_EFFICIENCY = 0.7
 BATCH_OVERHEAD = 3e-3
+DECODE_OVERHEAD = 0.5e-3
+TRITON_PAIR_RATIO = 1.5
 LOAD_BANDWIDTH = 50e9
 WEIGHT_BYTES_PER_PARAM = 2
 KV_DTYPE_BYTES = 2
@@ -76,16 +118,22 @@ USABLE_MEMORY = 0.9
 PAPER_GPU_CACHE = {"qwen3-8b": 256 * 1024, "qwen3-32b": 192 * 1024, "qwen3-235b-a22b": 384 * 1024}
 DEFAULT_GPU_CACHE = 256 * 1024
 
+# Attention kernels a prefill batch can be costed with (see the module docstring).
+PREFILL_KERNELS = ("fa3", "triton")
+
 CALIBRATION_KEYS = (
     "sec_per_linear_unit",
     "sec_per_attention_pair",
     "batch_overhead",
+    "decode_overhead",
     "hbm_bandwidth",
     "weight_bytes",
+    "embedding_row_bytes",
     "expert_bytes",
     "kv_bytes_per_token",
     "window_kv_bytes_per_token",
     "load_bandwidth",
+    "triton_pair_ratio",
 )
 METADATA_KEYS = ("model", "gpu", "source")
 
@@ -104,8 +152,10 @@ class TimeModel:
     sec_per_linear_unit: float
     sec_per_attention_pair: float
     batch_overhead: float
+    decode_overhead: float
     hbm_bandwidth: float
     weight_bytes: float
+    embedding_row_bytes: float
     expert_bytes: float
     num_experts: int
     experts_per_token: int
@@ -113,6 +163,8 @@ class TimeModel:
     window_kv_bytes_per_token: float
     sliding_window: int
     load_bandwidth: float
+    triton_pair_ratio: float = TRITON_PAIR_RATIO
+    phantom_kernel: str = "fa3"
 
     def __post_init__(self) -> None:
         positive = (
@@ -122,10 +174,13 @@ class TimeModel:
             "sec_per_attention_pair",
             "hbm_bandwidth",
             "load_bandwidth",
+            "triton_pair_ratio",
         )
         non_negative = (
             "batch_overhead",
+            "decode_overhead",
             "weight_bytes",
+            "embedding_row_bytes",
             "expert_bytes",
             "kv_bytes_per_token",
             "window_kv_bytes_per_token",
@@ -143,6 +198,10 @@ class TimeModel:
                 )
         if self.experts_per_token > self.num_experts:
             raise UsageError("time model: experts_per_token exceeds num_experts")
+        if self.phantom_kernel not in PREFILL_KERNELS:
+            raise UsageError(
+                f"unknown phantom kernel {self.phantom_kernel!r}; choose from {', '.join(PREFILL_KERNELS)}"
+            )
 
     @classmethod
     def estimate(
@@ -175,8 +234,10 @@ class TimeModel:
             sec_per_linear_unit=seconds_per_unit,
             sec_per_attention_pair=seconds_per_unit,
             batch_overhead=BATCH_OVERHEAD,
+            decode_overhead=DECODE_OVERHEAD,
             hbm_bandwidth=num_gpus * spec.hbm_bandwidth * HBM_EFFICIENCY,
-            weight_bytes=always_params * WEIGHT_BYTES_PER_PARAM,
+            weight_bytes=decode_weight_params(shape) * WEIGHT_BYTES_PER_PARAM,
+            embedding_row_bytes=shape.hidden_size * WEIGHT_BYTES_PER_PARAM,
             expert_bytes=expert_params * WEIGHT_BYTES_PER_PARAM,
             num_experts=shape.num_experts,
             experts_per_token=shape.experts_per_token,
@@ -220,21 +281,28 @@ class TimeModel:
                 raise UsageError(f"{path}: '{key}' must be a number, got {value!r}")
         return dataclasses.replace(base, **values)
 
-    def prefill_time(self, tokens, pairs) -> float:
+    def prefill_kernel(self, holes: bool) -> str:
+        """The attention kernel a prefill batch is costed with: `"fa3"` for contiguous prefill,
+        `phantom_kernel` for a batch that refills a hole."""
+        return self.phantom_kernel if holes else "fa3"
+
+    def prefill_time(self, tokens, pairs, holes: bool = False) -> float:
         """Seconds of one prefill batch: `tokens` positions computed, `pairs` attention units.
 
         tokens, pairs: scalars or sequences (one entry per segment or request), summed; pairs as
-        from `CostModel.attention_pairs`. An empty batch takes no time."""
+        from `CostModel.attention_pairs`. `holes`: the batch refills a hole (a phantom segment),
+        so its attention runs on `prefill_kernel(True)`. An empty batch takes no time."""
         tokens = float(np.sum(tokens))
         pairs = float(np.sum(pairs))
         if tokens < 0 or pairs < 0:
             raise UsageError(f"prefill work must be non-negative, got {tokens} tokens and {pairs} pairs")
         if tokens == 0:
             return 0.0
+        ratio = self.triton_pair_ratio if self.prefill_kernel(holes) == "triton" else 1.0
         return (
             self.batch_overhead
             + self.sec_per_linear_unit * self.c_lin * tokens
-            + self.sec_per_attention_pair * pairs
+            + self.sec_per_attention_pair * ratio * pairs
         )
 
     def decode_step_time(self, batch_size: int, kv_tokens: int) -> float:
@@ -243,14 +311,20 @@ class TimeModel:
             raise UsageError(f"decode batch must be non-negative, got {batch_size} requests, {kv_tokens} KV")
         if batch_size == 0:
             return 0.0
-        window_tokens = min(kv_tokens, batch_size * self.sliding_window)
-        read = (
+        return float(self.decode_overhead + self.decode_read_bytes(batch_size, kv_tokens) / self.hbm_bandwidth)
+
+    def decode_read_bytes(self, batch_size: int, kv_tokens):
+        """Bytes one decode step of `batch_size` requests reads from HBM when they hold `kv_tokens`
+        KV tokens in all (a number or a float64 array of them, one per step)."""
+        kv_tokens = np.asarray(kv_tokens, dtype=np.float64)
+        window_tokens = np.minimum(kv_tokens, batch_size * self.sliding_window)
+        return (
             self.weight_bytes
+            + self.embedding_row_bytes * batch_size
             + self.expected_experts(batch_size) * self.expert_bytes
             + self.kv_bytes_per_token * kv_tokens
             + self.window_kv_bytes_per_token * window_tokens
         )
-        return self.batch_overhead + read / self.hbm_bandwidth
 
     def expected_experts(self, batch_size: int) -> float:
         """Expected distinct experts per MoE layer used by `batch_size` tokens routed uniformly."""
@@ -267,6 +341,41 @@ class TimeModel:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def decode_weight_params(shape: ModelShape) -> float:
+    """Parameters every decode step reads whatever its batch: all layers (an MoE's routed experts
+    left out: they depend on the batch) and the LM head, but not the input-embedding table, of
+    which a step looks up one row per token. With tied embeddings the one table counts once."""
+    always = shape.active_params() - shape.experts_per_token * _expert_params(shape)
+    return always - shape.vocab_size * shape.hidden_size
+
+
+def write_calibration(path: str | Path, values: dict) -> dict:
+    """Write calibration `values` (keys of `CALIBRATION_KEYS` and `METADATA_KEYS`) to `path`,
+    merged into what the file already holds for the same model and GPU, so several benchmarks
+    can each settle their constants in one file; `source` lists every contributor once. Returns
+    what was written."""
+    path = Path(path)
+    unknown = sorted(set(values) - set(CALIBRATION_KEYS) - set(METADATA_KEYS))
+    if unknown:
+        raise UsageError(f"unknown calibration keys {', '.join(unknown)}")
+    merged: dict = {}
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = None
+        if isinstance(old, dict) and all(old.get(key) == values.get(key) for key in ("model", "gpu")):
+            merged = old
+    sources = [s for s in str(merged.get("source", "")).split("; ") if s]
+    merged.update(values)
+    if values.get("source") and values["source"] not in sources:
+        sources.append(values["source"])
+    if sources:
+        merged["source"] = "; ".join(sources)
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    return merged
 
 
 def _expert_params(shape: ModelShape) -> float:

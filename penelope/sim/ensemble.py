@@ -1,0 +1,244 @@
+"""Replay ensembles: every setting replayed N times with seeded perturbations, in parallel.
+
+`run_ensembles` replays each (capacity, run, policy) once. Run i of every policy and every
+capacity uses the same perturbation (`Perturbation.time_model(model, i)` and
+`Perturbation.workload(workload, i)`), so the runs are paired; each run's changes against the
+baseline are computed within the run (`penelope.sim.run.compare_with_baseline`), and an
+`Ensemble` reports every metric and every change as a mean with its interval
+(`penelope.sim.stats`).
+
+Replays are independent and deterministic, so they run in `jobs` worker processes (spawned, each
+receiving the workload once) with results identical to a sequential run: a replay's outcome
+depends only on its inputs, and results are put back in (capacity, run, policy) order whatever
+the order they finish in. Only `wall_time` (seconds a replay took) differs. Workers drop the
+per-request records before sending a result back; the summaries stay.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import queue as queue_module
+from dataclasses import dataclass
+
+from penelope.costmodel import CostModel
+from penelope.errors import UsageError
+from penelope.sim.metrics import CHANGE_FIELDS, Summary
+from penelope.sim.perturb import Perturbation
+from penelope.sim.run import BASELINE, PolicyResult, SimConfig, compare_with_baseline, json_ready, run_policy
+from penelope.sim.stats import CONFIDENCE, Estimate
+from penelope.sim.timemodel import TimeModel
+from penelope.sim.workloads import Workload
+
+# Summary fields reported with an interval (times in s, sizes in tokens).
+METRIC_FIELDS = tuple(field.name for field in dataclasses.fields(Summary) if field.name not in ("requests", "sessions"))
+# Changes against the baseline: relative changes (lower is better), and hit-rate points (higher is better).
+CHANGES = (*CHANGE_FIELDS, "hit_rate_points")
+HIGHER_IS_BETTER = ("hit_rate_points",)
+# A progress message from a worker every this many finished requests.
+PROGRESS_BATCH = 64
+
+
+def default_jobs() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@dataclass
+class Ensemble:
+    """`runs[i][policy]`: run i of each policy at one server configuration, changes paired within
+    the run. `perturbation` is None for a single unperturbed run."""
+
+    config: SimConfig
+    runs: list[dict[str, PolicyResult]]
+    perturbation: Perturbation | None
+    confidence: float = CONFIDENCE
+
+    @property
+    def repeat(self) -> int:
+        return len(self.runs)
+
+    @property
+    def policies(self) -> list[str]:
+        return list(self.runs[0])
+
+    @property
+    def baseline(self) -> str:
+        return next(name for name, r in self.runs[0].items() if r.canonical == BASELINE)
+
+    def values(self, policy: str, field: str) -> list[float]:
+        """The metric `field` of `policy` in every run, in run order."""
+        return [float(getattr(run[policy].summary, field)) for run in self.runs]
+
+    def estimate(self, policy: str, field: str) -> Estimate:
+        """Mean and interval of a summary field of `policy` over the runs."""
+        return Estimate.of(self.values(policy, field), self.confidence)
+
+    def change(self, policy: str, field: str) -> Estimate:
+        """Mean and interval of `policy`'s per-run change against the baseline (paired runs):
+        relative for `CHANGE_FIELDS`, percentage points for `hit_rate_points`."""
+        if field not in CHANGES:
+            raise UsageError(f"unknown change {field!r}; known: {', '.join(CHANGES)}")
+        return Estimate.of([run[policy].changes[field] for run in self.runs], self.confidence)
+
+    def verdict(self, policy: str, field: str) -> str:
+        """`win`, `loss` or `no significant difference` for `policy`'s change of `field`."""
+        return self.change(policy, field).verdict(lower_is_better=field not in HIGHER_IS_BETTER)
+
+    def policy_dict(self, policy: str) -> dict:
+        """JSON-ready: every metric and change as mean, low, high, n; each change's verdict; and
+        every run's figures (`PolicyResult.as_dict`)."""
+        first = self.runs[0][policy]
+        return json_ready({
+            "policy": first.canonical,
+            "repeat": self.repeat,
+            "metrics": {field: self.estimate(policy, field).as_dict() for field in METRIC_FIELDS},
+            "vs_sglang": {
+                field: {**self.change(policy, field).as_dict(), "verdict": self.verdict(policy, field)}
+                for field in CHANGES
+            },
+            "runs": [run[policy].as_dict() for run in self.runs],
+        })
+
+
+class _Replayer:
+    """The inputs every replay of an ensemble shares, and one replay by task."""
+
+    def __init__(self, workload, configs, time_model, cost_model, perturbation, progress=None):
+        self.workload = workload
+        self.configs = configs
+        self.time_model = time_model
+        self.cost = cost_model
+        self.perturbation = perturbation
+        self.progress = progress
+        self._perturbed: tuple[int, Workload] | None = None
+
+    def run(self, task: tuple[int, int, str]) -> PolicyResult:
+        """Replay task (config index, run number, policy); per-request records are dropped."""
+        config_index, run, policy = task
+        time_model, workload = self.time_model, self.workload
+        if self.perturbation is not None:
+            time_model = self.perturbation.time_model(time_model, run)
+            # Policies of one run follow each other in task order: perturb the workload once per run.
+            if self._perturbed is None or self._perturbed[0] != run:
+                self._perturbed = (run, self.perturbation.workload(workload, run))
+            workload = self._perturbed[1]
+        result = run_policy(workload, policy, self.configs[config_index], time_model, self.cost, self.progress)
+        result.replay = dataclasses.replace(result.replay, records=[])
+        return result
+
+
+class _QueueProgress:
+    """A worker's progress: finished requests sent to the parent in batches."""
+
+    def __init__(self, channel):
+        self.channel = channel
+        self.pending = 0
+
+    def update(self, n: int = 1) -> None:
+        self.pending += n
+        if self.pending >= PROGRESS_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.channel.put(self.pending)
+            self.pending = 0
+
+
+_WORKER: _Replayer | None = None
+
+
+def _start_worker(workload, configs, time_model, cost_model, perturbation, channel) -> None:
+    global _WORKER
+    _WORKER = _Replayer(workload, configs, time_model, cost_model, perturbation, _QueueProgress(channel))
+
+
+def _run_in_worker(task):
+    try:
+        return _WORKER.run(task)
+    finally:
+        _WORKER.progress.flush()
+
+
+def run_ensembles(
+    workload: Workload,
+    policies: list[str],
+    configs: list[SimConfig],
+    time_model: TimeModel,
+    cost_model: CostModel,
+    repeat: int = 1,
+    perturbation: Perturbation | None = None,
+    jobs: int = 1,
+    progress=None,
+) -> list[Ensemble]:
+    """One `Ensemble` per configuration: `repeat` runs of every policy (`policies` must include the
+    baseline), run i perturbed by `perturbation` (None: every run is the nominal replay).
+
+    jobs: worker processes (1: in this process); progress: anything with `update(n)` (a tqdm bar),
+    told of every finished or skipped request of every replay."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise UsageError(f"--repeat must be a positive integer, got {repeat!r}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise UsageError(f"--jobs must be a positive integer, got {jobs!r}")
+    tasks = [(c, run, policy) for c in range(len(configs)) for run in range(repeat) for policy in policies]
+    jobs = min(jobs, len(tasks))
+    if jobs == 1:
+        replayer = _Replayer(workload, configs, time_model, cost_model, perturbation, progress)
+        results = [replayer.run(task) for task in tasks]
+    else:
+        results = _run_parallel(tasks, jobs, (workload, configs, time_model, cost_model, perturbation), progress)
+    by_task = dict(zip(tasks, results, strict=True))
+    ensembles = []
+    for c, config in enumerate(configs):
+        runs = []
+        for run in range(repeat):
+            outcome = {policy: by_task[c, run, policy] for policy in policies}
+            compare_with_baseline(outcome)
+            runs.append(outcome)
+        ensembles.append(Ensemble(config, runs, perturbation))
+    return ensembles
+
+
+def _run_parallel(tasks, jobs: int, shared: tuple, progress) -> list[PolicyResult]:
+    # Spawned workers: nothing of this process's state (threads, locks, a progress bar) is
+    # inherited; each receives the shared inputs once, pickled.
+    context = multiprocessing.get_context("spawn")
+    channel = context.Queue()
+    results: list[PolicyResult | None] = [None] * len(tasks)
+
+    def drain() -> None:
+        while True:
+            try:
+                count = channel.get_nowait()
+            except queue_module.Empty:
+                return
+            if progress is not None:
+                progress.update(count)
+
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(*shared, channel)
+    ) as pool:
+        futures = {pool.submit(_run_in_worker, task): index for index, task in enumerate(tasks)}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = concurrent.futures.wait(
+                    pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                drain()
+                for future in done:
+                    results[futures[future]] = future.result()
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    # The pool has shut down, so every worker's messages are in the pipe.
+    drain()
+    channel.close()
+    return results

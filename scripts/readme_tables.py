@@ -1,0 +1,143 @@
+"""Print the README's result tables (Markdown) from the JSON that ensemble replays wrote.
+
+    python scripts/readme_tables.py weka results/weka    # after scripts/weka_results.sh
+    python scripts/readme_tables.py synthetic results    # after penelope reproduce
+
+Every figure is a mean over the ensemble's runs with its 95% interval: hit rates as mean ±half-width,
+changes against SGLang as mean [low, high], or "no significant difference [low, high]" when the
+interval contains zero (`penelope.sim.ensemble_report.markdown_change`). Head-to-head rows compare
+two policies run by run (paired), from the per-run figures in the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from penelope.sim.ensemble_report import markdown_change
+from penelope.sim.stats import Estimate, paired_changes
+from penelope.units import format_size
+
+PENELOPE = ("penelope", "private-head-block")
+
+
+def load(path: Path) -> tuple[dict, list[tuple[int, dict]]]:
+    """(config, [(GPU capacity, results by policy)]) of one `penelope simulate --repeat` JSON."""
+    payload = json.loads(path.read_text())
+    config = payload["config"]
+    if "ensemble" not in config:
+        raise SystemExit(f"{path}: not an ensemble (run penelope simulate with --repeat N)")
+    if "sweep" in payload:
+        return config, [(entry["gpu_cache"], entry["results"]) for entry in payload["sweep"]]
+    return config, [(config["gpu_cache"], payload["results"])]
+
+
+def penelope_of(results: dict) -> dict:
+    return next(results[name] for name in PENELOPE if name in results)
+
+
+def baseline_of(results: dict) -> dict:
+    return next(r for r in results.values() if r["policy"] == "leaf-tail-node")
+
+
+def hit_rate(result: dict) -> str:
+    estimate = Estimate.from_dict(result["metrics"]["hit_rate"])
+    return f"{estimate.mean:.1%} ±{100 * estimate.half_width:.1f}"
+
+
+def change(result: dict, field: str) -> str:
+    return markdown_change(Estimate.from_dict(result["vs_sglang"][field]))
+
+
+def main_row(setting: str, results: dict) -> str:
+    base, ours = baseline_of(results), penelope_of(results)
+    cells = [setting, hit_rate(base), hit_rate(ours), change(ours, "ttft_mean"), change(ours, "ttft_p90"),
+             change(ours, "jct_mean")]
+    return "| " + " | ".join(cells) + " |"
+
+
+MAIN_HEAD = (
+    "| setting | SGLang hit rate (pressure) | Penelope hit rate | TTFT mean | TTFT p90 | JCT |\n"
+    "|---|---|---|---|---|---|"
+)
+
+
+def head_to_head(results: dict, policy: str, other: str, field: str) -> Estimate:
+    """`policy`'s change of `field` against `other`, paired run by run."""
+    mine = [run[field] for run in results[policy]["runs"]]
+    theirs = [run[field] for run in results[other]["runs"]]
+    return Estimate.of(paired_changes(mine, theirs))
+
+
+def ablation_table(sweep: list[tuple[int, dict]]) -> str:
+    sizes = [format_size(capacity) for capacity, _ in sweep]
+    columns = [f"TTFT mean, GPU {s}" for s in sizes] + [f"TTFT p90, GPU {s}" for s in sizes]
+    lines = ["| policy | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name in sweep[0][1]:
+        if sweep[0][1][name]["policy"] == "leaf-tail-node":
+            continue
+        label = f"{name} (Penelope)" if name in PENELOPE else name
+        cells = [change(results[name], "ttft_mean") for _, results in sweep]
+        cells += [change(results[name], "ttft_p90") for _, results in sweep]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ensemble_note(config: dict) -> str:
+    ensemble = config["ensemble"]
+    text = (f"{ensemble['repeat']} runs per setting, each time-model constant x U[{1 - ensemble['band']:g}, "
+            f"{1 + ensemble['band']:g}]")
+    if ensemble["jitter"]:
+        text += f", waits x U[{1 - ensemble['jitter']:g}, {1 + ensemble['jitter']:g}]"
+    return text + f", seed {ensemble['seed']}; 95% intervals over runs, changes paired run by run"
+
+
+def weka(folder: Path) -> None:
+    rows = []
+    config, sweep = load(folder / "gpu_sweep.json")
+    for capacity, results in sweep:
+        setting = f"GPU {format_size(capacity)}" + (" (the paper's setting)" if capacity == 256 * 1024 else "")
+        rows.append(main_row(setting, results))
+    for name, label in (("fcfs", "FCFS, GPU {}"), ("tool_waits", "tool waits only, capped at 60 s, GPU {}"),
+                        ("gemma3", "gemma-3-27b (sliding window), GPU {}"), ("qwen3_32b", "Qwen3-32B, GPU {}"),
+                        ("triton_kernel", "phantom batches on the Triton kernel, GPU {}")):
+        for capacity, results in load(folder / f"{name}.json")[1]:
+            rows.append(main_row(label.format(format_size(capacity)), results))
+    for name, cpu in (("two_tier_equal", "128K"), ("two_tier_4x", "512K")):
+        for capacity, results in load(folder / f"{name}.json")[1]:
+            setting = f"two tiers, GPU {format_size(capacity)} + CPU {cpu} (vs HiCache-like)"
+            rows.append(main_row(setting, results))
+    print(f"Main table ({ensemble_note(config)}):\n")
+    print(MAIN_HEAD + "\n" + "\n".join(rows))
+    ablation_config, ablation = load(folder / "ablation.json")
+    print(f"\nAblation grid, changes against SGLang ({ensemble_note(ablation_config)}):\n")
+    print(ablation_table(ablation))
+    print("\nHead to head, leaf-head-block against Penelope (private-head-block), paired run by run:\n")
+    print("| GPU cache | TTFT mean | TTFT p90 | recompute cost |\n|---|---|---|---|")
+    for capacity, results in ablation:
+        cells = [markdown_change(head_to_head(results, "leaf-head-block", "private-head-block", field))
+                 for field in ("ttft_mean", "ttft_p90", "recompute_cost")]
+        print(f"| {format_size(capacity)} | " + " | ".join(cells) + " |")
+
+
+def synthetic(folder: Path) -> None:
+    config, sweep = load(folder / "simulate.json")
+    print(f"Capacity sweep ({ensemble_note(config)}):\n")
+    rows = [main_row(format_size(capacity), results) for capacity, results in sweep]
+    print(MAIN_HEAD.replace("| setting |", "| GPU cache |") + "\n" + "\n".join(rows))
+    ablation_config, ablation = load(folder / "ablation.json")
+    print(f"\nAblation grid, changes against SGLang ({ensemble_note(ablation_config)}):\n")
+    print(ablation_table(ablation))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("weka", "synthetic"):
+        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
+        return 2
+    (weka if argv[0] == "weka" else synthetic)(Path(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
