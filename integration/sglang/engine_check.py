@@ -169,6 +169,7 @@ def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: 
     ready = time.perf_counter()
     firsts, growth, aborted, probes = traffic_tokens(traffic)
     out: list[dict] = []
+    idle = _counters(engine)
 
     async def serve():
         tasks = [_session(engine, i, list(first), growth[i], traffic, out) for i, first in enumerate(firsts)]
@@ -184,11 +185,21 @@ def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: 
     try:
         engine.loop.run_until_complete(asyncio.wait_for(serve(), timeout))
         served = time.perf_counter()
-        states = engine.get_server_info().get("internal_states") or [{}]
+        counters = _counters(engine)
     finally:
         engine.shutdown()
+    if counters is not None and idle is not None:
+        # CPU seconds the scheduler process spent serving: unlike wall time, not stretched by
+        # other work on a shared machine.
+        counters["serve_cpu_s"] = counters["process_cpu_s"] - idle["process_cpu_s"]
     return {"setup": asdict(setup), "traffic": asdict(traffic), "start_s": ready - started, "serve_s": served - ready,
-            "requests": sorted(out, key=lambda r: r["rid"]), "counters": states[0].get("penelope")}
+            "requests": sorted(out, key=lambda r: r["rid"]), "counters": counters}
+
+
+def _counters(engine) -> dict | None:
+    """The scheduler's ``penelope`` counters (``hooks.COUNTERS``), None without the plugin."""
+    states = engine.get_server_info().get("internal_states") or [{}]
+    return states[0].get("penelope")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import torch
 from sglang.srt.managers.schedule_batch import BaseFinishReason, Req
@@ -114,7 +115,11 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
     cache = adder.tree_cache
     if not isinstance(cache, PenelopeRadixCache):
         return original(adder, req, has_chunked_req, truncation_align_size)
-    plan = cache.plan_admission(req, adder.rem_chunk_tokens, free_rows_for(adder))
+    rows = free_rows_for(adder)
+    if rows < 1 and req.kv.req_pool_idx is None:
+        # Riders took the rows SGLang counted on: this request gets none this step.
+        return AddReqResult.OTHER
+    plan = cache.plan_admission(req, adder.rem_chunk_tokens, rows)
     if has_chunked_req and adder.rem_chunk_tokens is not None and (
             (plan is not None and plan.hole_first) or _chunk_need(adder, req, cache) > adder.rem_chunk_tokens):
         # A chunked request continues past this step and SGLang tracks one at a time. Its chunk
@@ -241,7 +246,8 @@ def _report_counters(original, controller, recv_req):
     state = getattr(out, "internal_state", None)
     if isinstance(state, dict):
         cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
-        state["penelope"] = {**COUNTERS, **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
+        state["penelope"] = {**COUNTERS, "process_cpu_s": time.process_time(),
+                             **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
     return out
 
 
