@@ -72,6 +72,8 @@ def test_chunks_smaller_than_holes_and_an_abort_mid_prefill(model, reference):
     counters = check_against(run, reference)
     assert counters["evicted_tokens"] > 0 and counters["chunk_refill_tokens"] > 0
     [aborted] = [r for r in run["requests"] if r["rid"] == "aborted"]
+    # Aborted while it was SGLang's chunked request, between two of its chunks.
+    assert aborted["aborted_mid_prefill"]
     assert aborted["finish"] == "abort" and aborted["output_ids"] == []
 
 

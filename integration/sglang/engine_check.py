@@ -141,13 +141,22 @@ async def _session(engine, index: int, history: list[int], growth, traffic: Agen
 
 
 async def _aborted(engine, prompt: list[int], after: float, out: list) -> None:
+    """Send a long request and abort it once the scheduler is prefilling it chunk by chunk (it is
+    SGLang's chunked request), or after `after` seconds more if that is never seen."""
     rid = "aborted"
     task = asyncio.ensure_future(engine.async_generate(
         input_ids=prompt, rid=rid, sampling_params={"temperature": 0, "max_new_tokens": 4}))
-    await asyncio.sleep(after)
+    mid_prefill = False
+    deadline = time.perf_counter() + 30
+    while not mid_prefill and time.perf_counter() < deadline and not task.done():
+        await asyncio.sleep(0.005)
+        counters = (await engine.tokenizer_manager.get_internal_state())[0].get("penelope") or {}
+        mid_prefill = counters.get("chunked_rid") == rid
+    if not mid_prefill:
+        await asyncio.sleep(after)
     engine.tokenizer_manager.abort_request(rid)
     reply = await task
-    out.append(_record(rid, len(prompt), reply))
+    out.append({**_record(rid, len(prompt), reply), "aborted_mid_prefill": mid_prefill})
 
 
 def _record(rid: str, prompt_len: int, reply: dict) -> dict:

@@ -245,8 +245,11 @@ def _report_counters(original, controller, recv_req):
     out = original(controller, recv_req)
     state = getattr(out, "internal_state", None)
     if isinstance(state, dict):
-        cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
+        scheduler = getattr(controller, "scheduler", None)
+        cache = getattr(scheduler, "tree_cache", None)
+        chunked = getattr(scheduler, "chunked_req", None)
         state["penelope"] = {**COUNTERS, "process_cpu_s": time.process_time(),
+                             "chunked_rid": chunked.rid if chunked is not None else None,
                              **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
     return out
 
