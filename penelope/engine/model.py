@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from penelope.engine.attention import AttentionBackend, get_attention_backend
+from penelope.engine.attention import AttentionBackend, get_attention_backend, to_device
 from penelope.engine.config import EngineModelConfig
 from penelope.engine.kvpool import KVPool
 from penelope.engine.weights import LayerWeights, ModelWeights
@@ -207,23 +207,26 @@ class Qwen3Decoder:
         return the final-normed hidden states `[T, hidden]`."""
         self._check(batch, pool)
         device = self.device
-        positions = batch.positions.to(device)
-        slots = batch.slots.to(device)
-        req_to_token = batch.req_to_token.to(device)
-        segments = batch.segments.to(device)
+        # Host -> device uploads that never wait for the GPU; segments stay on the host, where the
+        # backend's plan reads them.
+        positions = to_device(batch.positions, device)
+        req_to_token = to_device(batch.req_to_token, device)
+        segments = batch.segments
         cfg = self.config
-        # The backend's per-batch work (the kernel's checks and query tiles) runs once, not per layer.
+        # The backend's per-batch work (checks of slots and segments, query tiles) runs once, not
+        # per layer, and no layer reads anything back from the GPU.
+        slots, store_kwargs = self.attention.store_args(batch.slots, pool.capacity, device)
         attend_kwargs = self.attention.attend_kwargs(
             req_to_token, segments, num_tokens=batch.num_tokens, num_slots=pool.capacity,
             num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         )
 
-        hidden = self.weights.embed[batch.tokens.to(device)]
+        hidden = self.weights.embed[to_device(batch.tokens, device)]
         for index, lw in enumerate(self.weights.layers):
             q, k, v = self._rowwise(lambda h, p, lw=lw: self._qkv(lw, h, p), hidden, positions)
             k_buffer, v_buffer = pool.layer(index)
             # Store first: a query may read keys written by another segment of this batch.
-            self.attention.store_kv(k_buffer, v_buffer, slots, k, v)
+            self.attention.store_kv(k_buffer, v_buffer, slots, k, v, **store_kwargs)
             attn = self.attention.attend(
                 q, k_buffer, v_buffer, req_to_token, segments, sm_scale=self.sm_scale, **attend_kwargs
             ).reshape(-1, cfg.q_size)
