@@ -357,7 +357,11 @@ class RaggedPlan:
             return
         i = int(np.searchsorted(self.rows[:, 2], value, side="right")) - 1
         row, pos = int(self.rows[i, 0]), value - int(self.rows[i, 2])
+        # Read now (the error path may sync): the table may have changed since the check ran.
         slot = int(self.req_to_token[row, pos])
+        if 0 <= slot < self.num_slots:
+            raise ValueError(f"req_to_token[{row}, {pos}] was outside the pool's {self.num_slots} slots when the "
+                             f"batch was checked (it holds {slot} now)")
         raise ValueError(f"req_to_token[{row}, {pos}] = {slot} is outside the pool's {self.num_slots} slots")
 
 
