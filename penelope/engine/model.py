@@ -191,10 +191,13 @@ class Qwen3Decoder:
         return self.weights.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: EngineBatch, pool: KVPool, logits_rows=None) -> torch.Tensor:
+    def forward(self, batch: EngineBatch, pool: KVPool, logits_rows=None,
+                layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run `batch`, store its K/V into `pool`, return logits `[n, vocab]` of `logits_rows`
-        (indices into the batch's `[T]` tokens; all rows when None) in the model's dtype."""
-        hidden = self.hidden_states(batch, pool)
+        (indices into the batch's `[T]` tokens; all rows when None) in the model's dtype.
+        `layer_ready(l)` is called before layer l touches the pool (e.g. `SwapHandle.wait_layer`:
+        layer l's KV copies must be done, later layers' may still run)."""
+        hidden = self.hidden_states(batch, pool, layer_ready)
         if logits_rows is not None:
             hidden = hidden[torch.as_tensor(logits_rows, dtype=torch.int64, device=hidden.device)]
         return self.logits(hidden)
@@ -202,9 +205,10 @@ class Qwen3Decoder:
     __call__ = forward
 
     @torch.inference_mode()
-    def hidden_states(self, batch: EngineBatch, pool: KVPool) -> torch.Tensor:
+    def hidden_states(self, batch: EngineBatch, pool: KVPool,
+                      layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run `batch` through every layer, writing its K/V into `pool` at `batch.slots`;
-        return the final-normed hidden states `[T, hidden]`."""
+        return the final-normed hidden states `[T, hidden]`. `layer_ready`: as in `forward`."""
         self._check(batch, pool)
         device = self.device
         # Host -> device uploads that never wait for the GPU; segments stay on the host, where the
@@ -225,6 +229,8 @@ class Qwen3Decoder:
         for index, lw in enumerate(self.weights.layers):
             q, k, v = self._rowwise(lambda h, p, lw=lw: self._qkv(lw, h, p), hidden, positions)
             k_buffer, v_buffer = pool.layer(index)
+            if layer_ready is not None:
+                layer_ready(index)
             # Store first: a query may read keys written by another segment of this batch.
             self.attention.store_kv(k_buffer, v_buffer, slots, k, v, **store_kwargs)
             attn = self.attention.attend(

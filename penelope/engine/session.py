@@ -91,6 +91,8 @@ class Server:
         self.layout_fn = layout_fn
         self.host_pool = host_pool
         self.executor: SwapExecutor | None = None
+        # Copies issued but not yet waited for by a forward (SwapHandles).
+        self._pending: list = []
         if hasattr(cache, "take_plans"):
             if not getattr(cache, "keep_plans", True):
                 raise UsageError("the cache was built with keep_plans=False: its moves could not be run on the pools")
@@ -131,13 +133,26 @@ class Server:
         return result
 
     def move_kv(self) -> int:
-        """Run every tier plan the cache queued, oldest first, on the GPU and host pools (nothing
-        for a GPU-only cache). Returns the number of plans run."""
+        """Issue every tier plan the cache queued, oldest first, on the GPU and host pools (nothing
+        for a GPU-only cache). Compute does not wait for them here: the next forward waits for
+        each layer's copies just before that layer (`_layer_ready`), so on a GPU a prefill's first
+        layers run while later layers still load. Returns the number of plans issued."""
         if self.executor is None:
             return 0
         plans = self.cache.take_plans()
-        self.executor.run_all(plans)
+        for plan in plans:
+            handle = self.executor.start(plan)
+            if handle is not None:
+                self._pending.append(handle)
         return len(plans)
+
+    def _layer_ready(self, layer: int) -> None:
+        """Before layer `layer` of a forward: its rows of every pending copy are in place."""
+        for handle in self._pending:
+            handle.wait_layer(layer)
+        if layer == self.model.config.num_layers - 1:
+            # Every layer of every pending copy has been waited for.
+            self._pending.clear()
 
     def _run(self, plan: RequestPlan, prompt: np.ndarray, max_new_tokens: int, logprobs: bool) -> TurnResult:
         layout = self.layout_fn([plan])
@@ -146,7 +161,8 @@ class Server:
         generated: list[int] = []
         while True:
             rows = np.arange(len(layout.tokens)) if logprobs else layout.output_rows
-            logits = self.model.forward(_engine_batch(layout), self.pool, logits_rows=torch.as_tensor(rows))
+            logits = self.model.forward(_engine_batch(layout), self.pool, logits_rows=torch.as_tensor(rows),
+                                        layer_ready=self._layer_ready)
             out = logits[int(np.searchsorted(rows, layout.output_rows[0]))]
             generated.append(int(torch.argmax(out.float())))
             if logprobs:
