@@ -147,9 +147,18 @@ def test_tile_rows_waste_less_than_one_group(target, group):
     """A tile holds block_m positions x group heads in a power-of-two number of rows, with fewer
     than `group` rows of padding (a group of 5 in 128 rows: 25 positions, 3 rows unused)."""
     for head_dim in (64, 128, 256):
-        blocks = ragged_attention_blocks(head_dim, group, target)
-        assert blocks.rows & (blocks.rows - 1) == 0
-        assert blocks.rows - group < blocks.block_m * group <= blocks.rows
+        for dtype in (None, torch.float32):
+            blocks = ragged_attention_blocks(head_dim, group, target, dtype)
+            assert blocks.rows & (blocks.rows - 1) == 0
+            assert blocks.rows - group < blocks.block_m * group <= blocks.rows
+
+
+def test_fp32_inputs_get_their_own_small_tiles_on_gpu_targets():
+    # Every 16-bit tile shape spills with fp32 operands (compile report); the interpreter's are small.
+    assert ragged_attention_blocks(128, 4, "sm_90a", torch.float32) == (8, 16, 32, 8, 1)
+    assert ragged_attention_blocks(128, 4, "sm_90a", torch.bfloat16) == ragged_attention_blocks(128, 4, "sm_90a")
+    assert ragged_attention_blocks(128, 4, "interpreter", torch.float32) == ragged_attention_blocks(128, 4,
+                                                                                                    "interpreter")
 
 
 @pytest.mark.parametrize("group", [3, 5, 6, 7])

@@ -101,7 +101,7 @@ class PenelopeTritonAttnBackend(TritonAttnBackend):
                 plan.poll()
             plan = self.ragged_plan = plan_ragged_prefill(
                 req_to_token, segments, num_tokens=queries.shape[0], num_slots=k_buffer.shape[0],
-                num_q_heads=heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim,
+                num_q_heads=heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim, dtype=q.dtype,
             )
         ragged_prefill_attention(
             queries,

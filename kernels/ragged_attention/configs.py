@@ -63,19 +63,26 @@ PINNED: dict[tuple[str, int], TileShape] = {
     (INTERPRETER, 64): TileShape(64, 32, 4, 1),
     (INTERPRETER, 128): TileShape(64, 32, 4, 1),
     (INTERPRETER, 256): TileShape(64, 32, 4, 1),
-    # Ampere and Ada (mma.sync, HMMA): 99 KB of shared memory on sm_86/sm_89.
-    (SM80, 64): TileShape(128, 64, 4, 2),
+    # Ampere and Ada (mma.sync, HMMA), 99 KB of shared memory on sm_86/sm_89. Candidates: 128 rows
+    # x 64 keys spills at head_dim 128; 4 warps spill at 128 rows or 256 dims.
+    (SM80, 64): TileShape(128, 64, 8, 2),
     (SM80, 128): TileShape(128, 32, 8, 2),
-    (SM80, 256): TileShape(64, 32, 4, 2),
-    # Hopper (wgmma, HGMMA): one warpgroup per 64 rows.
+    (SM80, 256): TileShape(64, 32, 8, 2),
+    # Hopper (wgmma, HGMMA; two warpgroups of 64 rows). 128 keys at head_dim 128 compiles without a
+    # spill too but at 253 registers; 4 warps spill from 128 rows x 64 keys on.
     (SM90A, 64): TileShape(128, 64, 8, 2),
     (SM90A, 128): TileShape(128, 64, 8, 2),
-    (SM90A, 256): TileShape(64, 64, 4, 2),
-    # Blackwell datacenter (tcgen05, UTCHMMA).
-    (SM100A, 64): TileShape(128, 64, 4, 2),
-    (SM100A, 128): TileShape(128, 64, 4, 2),
-    (SM100A, 256): TileShape(128, 32, 4, 2),
+    (SM90A, 256): TileShape(64, 64, 8, 2),
+    # Blackwell datacenter (tcgen05, UTCHMMA): as Hopper; 128 x 64 with 4 warps spills here too.
+    (SM100A, 64): TileShape(128, 64, 8, 2),
+    (SM100A, 128): TileShape(128, 64, 8, 2),
+    (SM100A, 256): TileShape(64, 64, 8, 2),
 }
+
+# fp32 inputs on a GPU (tests and references: exact fp32 dots, no tensor cores) need far smaller
+# tiles: every 16-bit shape above spills with fp32 operands (the compile report's candidates). One
+# shape for every target and head dim; a plan for fp32 inputs is made with dtype=torch.float32.
+PINNED_FP32 = TileShape(32, 16, 8, 1)
 
 HEAD_DIM_BUCKETS = (64, 128, 256)
 
@@ -103,11 +110,13 @@ def target_of(device: torch.device | str) -> str:
     return {9: SM90A, 10: SM100A}.get(major, SM80)
 
 
-def ragged_attention_blocks(head_dim: int, group: int, target: str = SM90A) -> RaggedBlocks:
+def ragged_attention_blocks(head_dim: int, group: int, target: str = SM90A,
+                            dtype: torch.dtype | None = None) -> RaggedBlocks:
     """The pinned tile sizes for ``head_dim`` and ``group`` q heads per kv head on ``target``.
 
     ``target``: ``interpreter``, ``sm_80``, ``sm_90a`` or ``sm_100a`` (``target_of(device)``).
     Rows grow to the next power of two of ``group`` when the group is larger than the table's rows.
+    ``dtype``: the inputs' dtype (None: 16-bit); fp32 on a GPU target uses ``PINNED_FP32``.
     """
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
@@ -116,5 +125,7 @@ def ragged_attention_blocks(head_dim: int, group: int, target: str = SM90A) -> R
         raise ValueError(f"no pinned ragged-attention configuration for target {target!r}; "
                          f"targets: {INTERPRETER}, {', '.join(TARGETS)}")
     shape = PINNED[key]
+    if dtype == torch.float32 and target != INTERPRETER:
+        shape = PINNED_FP32
     rows = max(shape.rows, 1 << (group - 1).bit_length())
     return RaggedBlocks(rows // group, shape.block_n, rows, shape.num_warps, shape.num_stages)

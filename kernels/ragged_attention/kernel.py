@@ -389,6 +389,7 @@ def plan_ragged_prefill(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    dtype: torch.dtype | None = None,
     check: bool | None = None,
 ) -> RaggedPlan:
     """Check one batch and cut its query tiles, once for all the layers that attend over it.
@@ -405,6 +406,7 @@ def plan_ragged_prefill(
             layer's pool must have at least ``S`` rows.
         num_q_heads, num_kv_heads, head_dim: the layers' attention shape (the query tiles are cut
             for the pinned tile sizes of ``head_dim``, the group size and the device's target).
+        dtype: the layers' q dtype; only fp32 on a GPU has other tiles (None: fp16/bf16).
         check: wait for the device-side slot check and raise here (True); leave it to
             ``plan.check()`` or ``plan.poll()`` (False); default: True on the CPU, where nothing is
             asynchronous, False on a GPU.
@@ -430,7 +432,7 @@ def plan_ragged_prefill(
     check_segments(segs, num_tokens, num_req_rows, max_len)
     device = req_to_token.device
     target = target_of(device)
-    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, target)
+    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, target, dtype)
     tiles = build_query_tiles(segs, blocks.block_m)
     rows = _read_rows(segs)
     # One upload for the tiles and the rows to check.
@@ -471,11 +473,11 @@ def _check_plan(plan: RaggedPlan, q, k_buffer, req_to_token, segments) -> None:
             f"checked req_to_token against"
         )
     head_dim, group = q.shape[2], q.shape[1] // k_buffer.shape[1]
-    blocks = ragged_attention_blocks(head_dim, group, plan.target)
+    blocks = ragged_attention_blocks(head_dim, group, plan.target, q.dtype)
     if blocks != plan.blocks:
         raise ValueError(
             f"plan's tiles {plan.blocks} do not fit head_dim {head_dim} with {group} q heads per kv "
-            f"head, which need {blocks}"
+            f"head and {q.dtype} inputs, which need {blocks} (plan fp32 batches with dtype=torch.float32)"
         )
 
 
@@ -526,7 +528,7 @@ def ragged_prefill_attention(
         check_table(req_to_token, q.device)
         plan = plan_ragged_prefill(
             req_to_token, segments, num_tokens=num_tokens, num_slots=k_buffer.shape[0],
-            num_q_heads=num_q_heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim, check=True,
+            num_q_heads=num_q_heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim, dtype=q.dtype, check=True,
         )
     else:
         _check_plan(plan, q, k_buffer, req_to_token, segments)
@@ -577,7 +579,7 @@ def warm_up_ragged_attention(
         raise ValueError(f"q heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads})")
     device = k_buffer.device
     target = target_of(device)
-    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, target)
+    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, target, k_buffer.dtype)
     if _is_interpreted(_ragged_prefill_fwd_kernel):
         return None
     # Tensors of the layers' dtypes and strides; nothing is launched, so one row each suffices.

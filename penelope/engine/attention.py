@@ -44,7 +44,7 @@ class AttentionBackend:
     `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]` rows
     `(req_row, q_start, pos_start, length)`; returns `o` `[T, Hq, D]` where the query at absolute
     position p attends to the keys at positions 0..p of its request, read from the pool.
-    `plan(req_to_token, segments, *, num_tokens, num_slots, num_q_heads, num_kv_heads, head_dim)`
+    `plan(req_to_token, segments, *, num_tokens, num_slots, num_q_heads, num_kv_heads, head_dim, dtype)`
     (optional): the per-batch work of `attend`, done once per forward batch; its result goes to
     every layer's `attend` as `plan=`.
     `plan_store(slots, num_slots, device)` (optional): the per-batch work of `store_kv` from host
@@ -60,7 +60,7 @@ class AttentionBackend:
     def attend_kwargs(self, req_to_token: torch.Tensor, segments: torch.Tensor, **shape: int) -> dict:
         """Extra keyword arguments of `attend` for every layer of one batch: `{"plan": ...}`,
         planned here once, or none. `shape`: `num_tokens`, `num_slots`, `num_q_heads`,
-        `num_kv_heads`, `head_dim`, as `plan` takes them."""
+        `num_kv_heads`, `head_dim`, `dtype`, as `plan` takes them."""
         if self.plan is None:
             return {}
         return {"plan": self.plan(req_to_token, segments, **shape)}

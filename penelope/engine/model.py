@@ -222,7 +222,7 @@ class Qwen3Decoder:
         slots, store_kwargs = self.attention.store_args(batch.slots, pool.capacity, device)
         attend_kwargs = self.attention.attend_kwargs(
             req_to_token, segments, num_tokens=batch.num_tokens, num_slots=pool.capacity,
-            num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype,
         )
 
         hidden = self.weights.embed[to_device(batch.tokens, device)]
