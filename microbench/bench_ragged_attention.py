@@ -39,6 +39,7 @@ from penelope.kernels.ragged_attention import (  # noqa: E402
     ragged_prefill_attention,
     store_kv,
     target_of,
+    warm_up_ragged_attention,
 )
 
 QWEN3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
@@ -320,3 +321,27 @@ def test_gpu_layer_path_does_not_sync(benchmark):
 
     benchmark.pedantic(layer, rounds=5, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(environment(), host_syncs_per_layer_exact=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_warm_up_covers_the_first_batch(benchmark):
+    """After ``warm_up_ragged_attention`` (what the SGLang backend calls when it is created), the
+    first batch compiles nothing: the kernels' compile caches do not grow."""
+    from penelope.kernels.ragged_attention import kernel as ragged_kernel
+
+    batch = _gpu_batch(8 * 1024, "front")
+    device = batch["q"].device.index or 0
+
+    def cached():
+        return sum(len(fn.device_caches[device][0]) for fn in (ragged_kernel._ragged_prefill_fwd_kernel,
+                                                                ragged_kernel._check_slots_kernel)
+                   if device in fn.device_caches)
+
+    blocks = benchmark.pedantic(warm_up_ragged_attention, args=(batch["k_buffer"], batch["req_to_token"],
+                                                                QWEN3_8B["num_q_heads"]), rounds=1, iterations=1)
+    before = cached()
+    _penelope_runner(batch)()
+    torch.cuda.synchronize()
+    benchmark.extra_info.update(environment(), blocks=blocks.label, kernels_compiled_by_warm_up=before,
+                                compiles_after_warm_up_exact=cached() - before)
+    assert cached() == before
