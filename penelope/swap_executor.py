@@ -55,10 +55,12 @@ class SwapExecutor:
     dtype and row shape: every layer's K, then every layer's V) with the copy function `copy`
     ("triton" or "naive"). `num_layers`: layers of the pools (default half the buffers);
     `min_run`: shortest run of consecutive slots moved by the copy engines (None: the kernel only).
+    `defer_waits`: `run` does not make compute wait; the handles are kept in `pending` for
+    `wait_layer` (before each layer of the next forward) and `finish_layers` (after its last).
     """
 
     def __init__(self, gpu_pool: Sequence[torch.Tensor], host_pool: Sequence[torch.Tensor], copy: str = "triton",
-                 num_layers: int | None = None, min_run: int | None = MIN_RUN):
+                 num_layers: int | None = None, min_run: int | None = MIN_RUN, defer_waits: bool = False):
         if copy not in COPY_FUNCTIONS:
             raise UsageError(f"unknown copy function {copy!r}; choose one of {', '.join(COPY_FUNCTIONS)}")
         try:
@@ -75,6 +77,8 @@ class SwapExecutor:
         # The last events of the latest exchange: the next one waits for them, so plans stay in order
         # even when compute waited only for some layers.
         self._last: tuple = ()
+        self.defer_waits = defer_waits
+        self.pending: list[SwapHandle] = []
 
     @classmethod
     def allocate(cls, n_layers: int, gpu_rows: int, host_rows: int, row_shape: tuple[int, ...],
@@ -120,10 +124,24 @@ class SwapExecutor:
 
     def run(self, plan) -> None:
         """Run one `TierPlan` (asynchronous on a GPU: later work on the current stream sees its
-        result). Raises ValueError before copying when a slot is out of range."""
+        result, or, with `defer_waits`, each layer's work once `wait_layer` was called for it).
+        Raises ValueError before copying when a slot is out of range."""
         handle = self.start(plan)
-        if handle is not None:
+        if handle is None:
+            return
+        if self.defer_waits:
+            self.pending.append(handle)
+        else:
             handle.wait_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the compute stream wait until layer `layer`'s rows of every deferred plan moved."""
+        for handle in self.pending:
+            handle.wait_layer(layer)
+
+    def finish_layers(self) -> None:
+        """Forget the deferred plans once every layer of them was waited for (after a forward)."""
+        self.pending.clear()
 
     def run_all(self, plans) -> None:
         """Run plans in order (as `TwoTierCache.take_plans()` returns them)."""

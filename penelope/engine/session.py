@@ -91,8 +91,6 @@ class Server:
         self.layout_fn = layout_fn
         self.host_pool = host_pool
         self.executor: SwapExecutor | None = None
-        # Copies issued but not yet waited for by a forward (SwapHandles).
-        self._pending: list = []
         if hasattr(cache, "take_plans"):
             if not getattr(cache, "keep_plans", True):
                 raise UsageError("the cache was built with keep_plans=False: its moves could not be run on the pools")
@@ -101,7 +99,8 @@ class Server:
             if host_pool.capacity != cache.host_rows:
                 raise UsageError(f"host pool has {host_pool.capacity} rows; the cache's CPU tier and swap buffer "
                                  f"need {cache.host_rows}")
-            self.executor = SwapExecutor(pool.buffers(), host_pool.buffers(), copy)
+            # Compute waits for the copies layer by layer, in the next forward (`_layer_ready`).
+            self.executor = SwapExecutor(pool.buffers(), host_pool.buffers(), copy, defer_waits=True)
         elif host_pool is not None:
             raise UsageError(f"a host pool needs a cache with a CPU tier; {type(cache).__name__} has none")
 
@@ -140,19 +139,16 @@ class Server:
         if self.executor is None:
             return 0
         plans = self.cache.take_plans()
-        for plan in plans:
-            handle = self.executor.start(plan)
-            if handle is not None:
-                self._pending.append(handle)
+        self.executor.run_all(plans)
         return len(plans)
 
     def _layer_ready(self, layer: int) -> None:
-        """Before layer `layer` of a forward: its rows of every pending copy are in place."""
-        for handle in self._pending:
-            handle.wait_layer(layer)
+        """Before layer `layer` of a forward: its rows of every issued copy are in place."""
+        if self.executor is None:
+            return
+        self.executor.wait_layer(layer)
         if layer == self.model.config.num_layers - 1:
-            # Every layer of every pending copy has been waited for.
-            self._pending.clear()
+            self.executor.finish_layers()
 
     def _run(self, plan: RequestPlan, prompt: np.ndarray, max_new_tokens: int, logprobs: bool) -> TurnResult:
         layout = self.layout_fn([plan])
