@@ -205,13 +205,13 @@ def _attach_segments(original, cls, batch, model_runner, **kwargs):
     forward_batch = original(cls, batch, model_runner, **kwargs)
     # SGLang hands copies of its batches around: look at the requests, not at batch attributes.
     if batch.forward_mode.is_extend_without_speculative() and any(map(is_phantom, batch.reqs)):
-        setattr(forward_batch, SEGMENTS, extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens,
-                                                         batch.req_to_token_pool.req_to_token.device))
+        # A host tensor: the ragged kernel plans from it without waiting for the GPU.
+        setattr(forward_batch, SEGMENTS, extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens, "cpu"))
     return forward_batch
 
 
-def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
-    """int32 [len(reqs), 4] rows (req_row, q_start, pos_start, length) of an extend batch."""
+def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device="cpu") -> torch.Tensor:
+    """int32 [len(reqs), 4] rows (req_row, q_start, pos_start, length) of an extend batch, on `device`."""
     rows, start = [], 0
     for req, prefix, length in zip(reqs, prefix_lens, extend_lens, strict=True):
         rows.append((req.kv.req_pool_idx, start, prefix, length))
