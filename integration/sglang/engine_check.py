@@ -76,8 +76,8 @@ class AgentTraffic:
 @dataclass(frozen=True)
 class EngineSetup:
     """How the Engine runs: KV pool tokens, page size, chunked prefill (-1: off), request rows,
-    the radix cache (``penelope`` or SGLang's ``default``), Penelope's policy, dtype and device.
-    `extra`: more ``sglang.Engine`` arguments."""
+    the radix cache (``penelope`` or SGLang's ``default``), Penelope's policy and CPU tier
+    (`cpu_cache` tokens, 0: GPU only), dtype and device. `extra`: more ``sglang.Engine`` arguments."""
 
     pool_tokens: int
     page_size: int = 64
@@ -85,6 +85,7 @@ class EngineSetup:
     rows: int = 8
     cache: str = "penelope"
     policy: str = "penelope"
+    cpu_cache: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict = field(default_factory=dict)
@@ -96,6 +97,9 @@ class EngineSetup:
             raise UsageError(f"bad engine setup: pool {self.pool_tokens}, page {self.page_size}, rows {self.rows}")
         if self.chunk != -1 and self.chunk < self.page_size:
             raise UsageError(f"chunk must be -1 (off) or at least one page, got {self.chunk}")
+        if self.cpu_cache < 0 or (self.cpu_cache and self.cache != "penelope"):
+            raise UsageError(f"cpu_cache must be >= 0 and is Penelope's CPU tier, got {self.cpu_cache} "
+                             f"with the {self.cache} cache")
 
     def engine_args(self, model: str) -> dict:
         args = dict(model_path=model, skip_tokenizer_init=True, dtype=self.dtype, device=self.device,
@@ -106,7 +110,7 @@ class EngineSetup:
             args.update(attention_backend="torch_native", disable_cuda_graph=True)
         if self.cache == "penelope":
             args.update(radix_cache_backend="penelope",
-                        radix_eviction_policy_config={"policy": self.policy})
+                        radix_eviction_policy_config={"policy": self.policy, "cpu_cache": self.cpu_cache})
         args.update(self.extra)
         return args
 

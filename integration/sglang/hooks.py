@@ -119,6 +119,9 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
     if rows < 1 and req.kv.req_pool_idx is None:
         # Riders took the rows SGLang counted on: this request gets none this step.
         return AddReqResult.OTHER
+    if not cache.load_for(req):
+        # Its CPU spans cannot come back to the GPU now: too much KV is locked.
+        return AddReqResult.NO_TOKEN
     plan = cache.plan_admission(req, adder.rem_chunk_tokens, rows)
     if has_chunked_req and adder.rem_chunk_tokens is not None and (
             (plan is not None and plan.hole_first) or _chunk_need(adder, req, cache) > adder.rem_chunk_tokens):

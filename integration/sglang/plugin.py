@@ -38,9 +38,11 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "penelope"
 ATTENTION_MODES = ("ragged", "sglang")
+COPY_MODES = ("auto", "triton", "naive")
 _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
-        "attention": "PENELOPE_ATTENTION"}
+        "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY"}
+_INTEGERS = ("block_size", "swap_buffer", "cpu_cache")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
@@ -49,9 +51,10 @@ _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 class PenelopeOptions:
     """Options of the ``penelope`` backend, validated on construction (UsageError, one line).
 
-    `block_size` None means one SGLang page; sizes are in tokens. `swap_buffer` sizes the CPU swap
-    buffer of the two-tier cache, which this integration does not build yet: it is validated and
-    kept for when it does.
+    `block_size` None means one SGLang page; sizes are in tokens. `cpu_cache`: tokens of a CPU
+    tier (0: GPU only, unless SGLang's ``--hicache-size`` / ``--hicache-ratio`` size one);
+    `swap_buffer`: its reserved host rows for exchanges. `copy`: how tier moves copy K/V ("auto":
+    the swap-copy kernel on a GPU, torch's indexed copy on CPU).
     """
 
     policy: str = "penelope"
@@ -59,6 +62,8 @@ class PenelopeOptions:
     swap_buffer: int = 1024
     phantoms: bool = True
     attention: str = "ragged"
+    cpu_cache: int = 0
+    copy: str = "auto"
 
     def __post_init__(self):
         known = policy_names(aliases=True)
@@ -75,6 +80,13 @@ class PenelopeOptions:
         if self.attention not in ATTENTION_MODES:
             raise UsageError(f"penelope: attention must be one of {', '.join(ATTENTION_MODES)}, "
                              f"got {self.attention!r}")
+        if isinstance(self.cpu_cache, bool) or not isinstance(self.cpu_cache, numbers.Integral) or self.cpu_cache < 0:
+            raise UsageError(f"penelope: cpu_cache must be a non-negative integer (tokens), got {self.cpu_cache!r}")
+        if self.cpu_cache and self.block_size is not None and self.cpu_cache < self.block_size:
+            raise UsageError(f"penelope: cpu_cache {self.cpu_cache} is smaller than one block of "
+                             f"{self.block_size} tokens (0 turns the CPU tier off)")
+        if self.copy not in COPY_MODES:
+            raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 
     def resolved_block_size(self, page_size: int) -> int:
         """Block size in tokens for SGLang's `page_size`: blocks must hold whole pages, because
@@ -159,6 +171,25 @@ def check_server_args(server_args) -> None:
             raise UsageError(f"penelope: --radix-cache-backend penelope does not support {flag}")
     if server_args.page_size:
         options.resolved_block_size(server_args.page_size)
+    _check_host_memory(options, server_args)
+
+
+def _check_host_memory(options: PenelopeOptions, server_args) -> None:
+    """The CPU tier (``cpu_cache`` tokens or ``--hicache-size`` GB) must fit the free host memory;
+    checked here from the model's config when it is a local checkpoint (the scheduler checks the
+    exact size again when it builds the pool)."""
+    from .host_tier import check_fits, estimated_bytes_per_token
+
+    size_gb = getattr(server_args, "hicache_size", 0) or 0
+    if not options.cpu_cache and size_gb <= 0:
+        return
+    if size_gb > 0 and not options.cpu_cache:
+        check_fits(1, int(size_gb * (1 << 30)))
+        return
+    per_token = estimated_bytes_per_token(str(server_args.model_path), str(server_args.dtype),
+                                          getattr(server_args, "tp_size", 1) or 1)
+    if per_token:
+        check_fits(options.cpu_cache + options.swap_buffer, per_token)
 
 
 def _check_server_args(original, server_args, *args, **kwargs):
@@ -192,7 +223,10 @@ def create_penelope_cache(ctx):
     if options.phantoms and not phantoms:
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
-    return PenelopeRadixCache(ctx.params, options, phantoms=phantoms)
+    server_args = getattr(ctx, "server_args", None)
+    return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
+                              hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
+                              hicache_ratio=getattr(server_args, "hicache_ratio", None))
 
 
 def _positive(value, name: str) -> None:
@@ -202,7 +236,7 @@ def _positive(value, name: str) -> None:
 
 def _parse_env(name: str, variable: str, text: str):
     text = text.strip()
-    if name in ("block_size", "swap_buffer"):
+    if name in _INTEGERS:
         try:
             return int(text)
         except ValueError:
