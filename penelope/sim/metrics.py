@@ -32,7 +32,8 @@ from penelope.errors import UsageError
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """What the simulator records for one finished request (times in s, sizes in tokens)."""
+    """What the simulator records for one finished request (times in s, sizes in tokens);
+    `replica`: the server that served it (0 with one server)."""
 
     session: str
     index: int
@@ -45,6 +46,7 @@ class RequestRecord:
     recompute_cost: float = 0.0
     loaded_tokens: int = 0
     swap_loads: int = 0
+    replica: int = 0
 
     def __post_init__(self) -> None:
         where = f"request {self.index} of session {self.session!r}"
