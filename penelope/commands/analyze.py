@@ -14,6 +14,7 @@ from penelope.units import format_size
 
 
 def add_parser(subparsers) -> None:
+    from penelope.sim.fleet_options import add_fleet_arguments
     from penelope.sim.options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
 
@@ -37,6 +38,7 @@ def add_parser(subparsers) -> None:
         "--scheduler", default="lpm", help="waiting-queue order: lpm (longest prefix match first) | fcfs"
     )
     parser.add_argument("--chunk-size", default="8K", help="prefill tokens per batch")
+    add_fleet_arguments(parser, sweep=False)
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -53,7 +55,7 @@ def run(args) -> int:
     if args.gpu_cache and "," in args.gpu_cache:
         raise UsageError("--gpu-cache: analyze estimates the gain at one capacity")
     args.cpu_cache = "0"
-    setup = prepare(args)
+    setup = prepare(args, sweep_routers=False)
     workload = setup["workload"]
     capacity = setup["capacities"][0]
     stats = workload_stats(workload)

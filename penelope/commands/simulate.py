@@ -18,6 +18,7 @@ from penelope.units import format_size
 
 
 def add_parser(subparsers) -> None:
+    from penelope.sim.fleet_options import add_fleet_arguments
     from penelope.sim.options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
 
@@ -63,6 +64,8 @@ def add_parser(subparsers) -> None:
         default="sglang,penelope",
         help="comma-separated eviction policies, or 'ablation' for the paper's six-policy grid",
     )
+    add_fleet_arguments(parser)
+    parser.add_argument("--per-replica", action="store_true", help="with --replicas N > 1: a table per replica")
     add_ensemble_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT and hit rate per policy")
@@ -96,39 +99,41 @@ def add_ensemble_arguments(parser) -> None:
     )
     parser.add_argument("--perturb-seed", type=int, help="with --repeat: seed of the perturbations (default 0)")
     parser.add_argument(
-        "--jobs", type=int, metavar="J", help="with --repeat: worker processes (default: the CPU cores)"
+        "--jobs", type=int, metavar="J",
+        help="worker processes replaying settings in parallel, results identical to one process (default: the "
+        "CPU cores for an ensemble or a sweep of capacities or routers, 1 for a single setting)",
     )
 
 
 def ensemble_options(args):
-    """(repeat, Perturbation or None, jobs) from the options; perturbation options need --repeat N >= 2."""
+    """(repeat, Perturbation or None, jobs or None: the default) from the options; perturbation
+    options need --repeat N >= 2."""
     from penelope.errors import UsageError
-    from penelope.sim.ensemble import default_jobs
     from penelope.sim.perturb import DEFAULT_BAND, Perturbation
 
     repeat = args.repeat
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
     given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
-                                      ("--perturb-seed", args.perturb_seed), ("--jobs", args.jobs))
-             if value is not None]
+                                      ("--perturb-seed", args.perturb_seed)) if value is not None]
     if repeat == 1:
         if given:
             raise UsageError(f"{given[0]} applies to the runs of an ensemble: give --repeat N with N >= 2")
-        return 1, None, 1
+        return 1, None, args.jobs
     perturbation = Perturbation(
         band=DEFAULT_BAND if args.band is None else args.band,
         jitter=0.0 if args.jitter is None else args.jitter,
         seed=0 if args.perturb_seed is None else args.perturb_seed,
     )
-    jobs = default_jobs() if args.jobs is None else args.jobs
-    if jobs < 1:
-        raise UsageError(f"--jobs must be at least 1, got {jobs}")
-    return repeat, perturbation, jobs
+    return repeat, perturbation, args.jobs
 
 
 def run(args) -> int:
-    from penelope.sim.run import parse_policies, run_policies
+    from penelope.sim.ensemble import default_jobs, run_ensembles
+    from penelope.sim.fleet_report import fleet_table, saturation_warnings
+    from penelope.sim.run import parse_policies
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
@@ -136,107 +141,105 @@ def run(args) -> int:
     setup = prepare(args)
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
-    capacities = setup["capacities"]
+    capacities, settings = setup["capacities"], setup["settings"]
     config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
     time_model: TimeModel = setup["time_model"]
     print_config(config_json, time_model)
+    if jobs is None:
+        jobs = default_jobs() if repeat > 1 or len(settings) > 1 else 1
     if repeat > 1:
-        return run_ensemble(args, setup, policies, repeat, perturbation, jobs)
-
-    bar = progress_bar(workload.num_requests * len(policies) * len(capacities), args.no_progress)
-    sweep = []
+        config_json["ensemble"] = ensemble_json(repeat, perturbation, jobs)
+        print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
+    elif len(settings) > 1:
+        print(f"sweep: {len(settings)} settings x {len(policies)} policies, {jobs} worker processes")
+    print_offered_load(setup)
+    bar = progress_bar(workload.num_requests * len(policies) * len(settings) * repeat, args.no_progress)
     try:
-        for capacity in capacities:
-            config = setup["make_config"](capacity)
-            results = run_policies(workload, policies, config, time_model, setup["cost"], progress=bar)
-            sweep.append((capacity, results))
+        ensembles = run_ensembles(
+            workload, policies, [setup["make_config"](c, router) for c, router in settings], time_model,
+            setup["cost"], repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
+        )
     finally:
         if bar is not None:
             bar.close()
-    for capacity, results in sweep:
+    sweep = list(zip(settings, ensembles, strict=True))
+    for (capacity, _), ensemble in sweep:
         print()
-        print(results_table(capacity, results))
+        if repeat > 1:
+            from penelope.sim.ensemble_report import ensemble_tables
+
+            print(ensemble_tables(capacity, ensemble))
+        else:
+            print(results_table(capacity, ensemble.runs[0], ensemble.config))
+        if args.replicas > 1:
+            print(fleet_table(ensemble, args.per_replica))
     print(
         "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
-        "changes are relative to sglang, hit rate in percentage points"
+        + ("a change is a win or a loss only when its interval excludes zero" if repeat > 1 else
+           "changes are relative to sglang, hit rate in percentage points")
     )
-
+    for line in saturation_warnings(sweep):
+        print(line, file=sys.stderr)
     if args.json:
-        payload = {"config": config_json}
-        if len(sweep) == 1:
-            payload["results"] = {name: r.as_dict() for name, r in sweep[0][1].items()}
-        else:
-            payload["sweep"] = [
-                {"gpu_cache": capacity, "results": {name: r.as_dict() for name, r in results.items()}}
-                for capacity, results in sweep
-            ]
-        with open(args.json, "w") as handle:
-            json.dump(payload, handle, indent=2)
+        write_json(args.json, config_json, sweep, policies, repeat, args.replicas > 1)
         print(f"wrote {args.json}")
     if args.plot:
-        plot_results(args.plot, sweep, setup["shape"].name)
+        if len({router for _, router in settings}) > 1:
+            print("--plot draws the capacity sweep of one router: drawing the first router's")
+        first = [(c, e) for (c, r), e in sweep if r == settings[0][1]]
+        if repeat > 1:
+            from penelope.sim.ensemble_report import plot_ensembles
+
+            plot_ensembles(args.plot, first, setup["shape"].name)
+        else:
+            plot_results(args.plot, [(c, e.runs[0]) for c, e in first], setup["shape"].name)
         print(f"wrote {args.plot}")
     return 0
 
 
-def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbation, jobs: int) -> int:
-    """`simulate --repeat N`: every capacity and policy replayed N times, paired by run."""
-    from penelope.sim.ensemble import run_ensembles
-    from penelope.sim.ensemble_report import ensemble_tables, plot_ensembles
+def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
     from penelope.sim.stats import CONFIDENCE
 
-    workload, config_json, capacities = setup["workload"], setup["config"], setup["capacities"]
-    config_json["ensemble"] = {
+    return {
         "repeat": repeat,
         "jobs": jobs,
         "confidence": CONFIDENCE,
         "interval": "Student t over runs; changes paired run by run",
         **perturbation.as_dict(),
     }
-    print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
-    bar = progress_bar(workload.num_requests * len(policies) * len(capacities) * repeat, args.no_progress)
-    try:
-        ensembles = run_ensembles(
-            workload, policies, [setup["make_config"](c) for c in capacities], setup["time_model"], setup["cost"],
-            repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
-        )
-    finally:
-        if bar is not None:
-            bar.close()
-    sweep = list(zip(capacities, ensembles, strict=True))
-    for capacity, ensemble in sweep:
-        print()
-        print(ensemble_tables(capacity, ensemble))
-    print(
-        "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
-        "a change is a win or a loss only when its interval excludes zero"
-    )
-    if args.json:
-        payload = {"config": config_json}
-        if len(sweep) == 1:
-            payload["results"] = {name: sweep[0][1].policy_dict(name) for name in policies}
-        else:
-            payload["sweep"] = [
-                {"gpu_cache": capacity, "results": {name: ensemble.policy_dict(name) for name in policies}}
-                for capacity, ensemble in sweep
-            ]
-        with open(args.json, "w") as handle:
-            json.dump(payload, handle, indent=2)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_ensembles(args.plot, sweep, setup["shape"].name)
-        print(f"wrote {args.plot}")
-    return 0
 
 
-def prepare(args) -> dict:
-    """Everything both `simulate` and `analyze` need from the options: the workload, the model,
-    the time and cost models, the GPU capacities (the model's default when none is given) and a
-    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
+def write_json(path: str, config_json: dict, sweep: list, policies: list[str], repeat: int, fleet: bool) -> None:
+    """One setting: `results` by policy; several: `sweep`, one entry per (capacity, router)."""
+
+    def results(ensemble) -> dict:
+        if repeat > 1:
+            return {name: ensemble.policy_dict(name) for name in policies}
+        return {name: r.as_dict() for name, r in ensemble.runs[0].items()}
+
+    payload = {"config": config_json}
+    if len(sweep) == 1:
+        payload["results"] = results(sweep[0][1])
+    else:
+        payload["sweep"] = [
+            {"gpu_cache": capacity, **({"router": router} if fleet else {}), "results": results(ensemble)}
+            for (capacity, router), ensemble in sweep
+        ]
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)
+
+
+def prepare(args, sweep_routers: bool = True) -> dict:
+    """Everything both `simulate` and `analyze` need from the options: the workload (waits scaled
+    by --time-scale), the model, the time and cost models, the GPU capacities (the model's default
+    when none is given), the settings to replay ((capacity, router) pairs; one router unless
+    `sweep_routers`) and a factory of `SimConfig`s by (capacity, router). Options are validated
+    before the workload is loaded."""
     import dataclasses
 
     from penelope.costmodel import CostModel
     from penelope.models import get_model
+    from penelope.sim.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
     from penelope.sim.options import load_from_args
     from penelope.sim.run import SimConfig, default_gpu_cache
     from penelope.sim.timemodel import TimeModel
@@ -253,7 +256,11 @@ def prepare(args) -> dict:
     swap_buffer = parse_size(getattr(args, "swap_buffer", "1K"), "--swap-buffer")
     chunk_size = parse_size(args.chunk_size, "--chunk-size")
 
-    def make_config(capacity: int) -> SimConfig:
+    routers = routers_from_args(args, sweep=sweep_routers)
+    routing = routing_from_args(args)
+    time_scale = check_time_scale(args.time_scale)
+
+    def make_config(capacity: int, router: str = routers[0]) -> SimConfig:
         return SimConfig(
             gpu_cache=capacity,
             cpu_cache=cpu_cache,
@@ -261,13 +268,20 @@ def prepare(args) -> dict:
             sessions=args.sessions,
             scheduler=args.scheduler,
             chunk_size=chunk_size,
+            replicas=args.replicas,
+            router=router,
+            routing=routing,
         )
 
     capacities = capacities or [default_gpu_cache(shape)]
+    # With one replica the router has nothing to choose: one setting per capacity.
+    settings = [(c, router) for c in capacities for router in (routers if args.replicas > 1 else routers[:1])]
     # Validate every option before the (slow) workload load and replays.
-    for capacity in capacities:
-        make_config(capacity)
+    for capacity, router in settings:
+        make_config(capacity, router)
     workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
+    workload = scale_time(workload, time_scale)
+    description["time_scale"] = time_scale
     config = {
         "workload": description,
         "model": shape.name,
@@ -280,8 +294,12 @@ def prepare(args) -> dict:
         "scheduler": args.scheduler,
         "chunk_size": chunk_size,
         "block_size": 64,
+        "replicas": args.replicas,
         "time_model": time_model.as_dict(),
     }
+    if args.replicas > 1:
+        config["routers"] = routers
+        config["routing"] = dataclasses.asdict(routing)
     return {
         "workload": workload,
         "config": config,
@@ -289,6 +307,7 @@ def prepare(args) -> dict:
         "time_model": time_model,
         "cost": CostModel(shape),
         "capacities": capacities,
+        "settings": settings,
         "make_config": make_config,
     }
 
@@ -330,7 +349,10 @@ def print_config(config: dict, time_model) -> None:
         f"server: GPU cache {sizes} tokens, CPU cache {format_size(config['cpu_cache'])}, "
         f"{config['sessions']} sessions at once, {config['scheduler'].upper()} scheduler, "
         f"{config['chunk_size']} prefill tokens per batch"
+        + (f", {config['replicas']} replicas behind {' | '.join(config['routers'])}" if config["replicas"] > 1 else "")
     )
+    if work.get("time_scale", 1.0) != 1.0:
+        print(f"  time scale x{work['time_scale']:g}: every wait between requests {work['time_scale']:g} times as long")
 
 
 def kernel_statement(time_model) -> str:
@@ -344,14 +366,32 @@ def kernel_statement(time_model) -> str:
     return text + ", batches refilling holes too (--phantom-kernel triton: the Triton ragged kernel)"
 
 
-def results_table(capacity: int, results: dict) -> str:
-    """The per-policy table of one capacity, with SGLang's hit rate as the pressure."""
+def print_offered_load(setup: dict) -> None:
+    """For an open-loop trace: its offered load against the servers (`penelope.sim.saturation`)."""
+    from penelope.sim.fleet_report import offered_load_lines
+    from penelope.sim.saturation import offered_load
+
+    workload = setup["workload"]
+    if workload.closed_loop:
+        return
+    capacity = min(setup["capacities"])
+    load = offered_load(workload, setup["time_model"], setup["cost"], capacity)
+    setup["config"]["offered_load"] = load.as_dict()
+    for line in offered_load_lines(load, capacity, setup["config"]["replicas"]):
+        print(line)
+
+
+def results_table(capacity: int, results: dict, config=None) -> str:
+    """The per-policy table of one capacity (of `config`, a `SimConfig`), with SGLang's hit rate as
+    the pressure."""
+    from penelope.sim.fleet_report import fleet_label
     from penelope.sim.run import baseline_of
 
     base = baseline_of(results)
     skipped = base.replay.skipped
     head = (
-        f"GPU cache {format_size(capacity)}: pressure = SGLang hit rate {base.summary.hit_rate:.1%}, "
+        f"GPU cache {format_size(capacity)}{fleet_label(config)}: pressure = SGLang hit rate "
+        f"{base.summary.hit_rate:.1%}, "
         f"{base.summary.requests:,} requests"
         + (f" ({skipped} never fit the cache and were skipped)" if skipped else "")
     )
