@@ -77,7 +77,8 @@ def fleet_summary(outcome, workload: Workload, config) -> FleetSummary:
     """The fleet view of a `ReplayResult` of `workload` under `config` (a `SimConfig`)."""
     arrivals = [r.arrival for s in workload.sessions for r in s.requests if r.arrival is not None]
     open_loop = not workload.closed_loop
-    saturation = measure(outcome.servers, open_loop, min(arrivals, default=0.0), max(arrivals, default=0.0))
+    saturation = measure(outcome.servers, outcome.records, open_loop, min(arrivals, default=0.0),
+                         max(arrivals, default=0.0))
     by_replica: list[list] = [[] for _ in outcome.servers]
     for record in outcome.records:
         by_replica[record.replica].append(record)

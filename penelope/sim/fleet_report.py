@@ -82,13 +82,14 @@ def replica_table(fleet) -> str:
             f"{s.recompute_cost:.3g}" if s else "n/a",
             f"{replica.busy_time:,.0f}",
             f"{load.utilization:.2f}",
+            f"{load.late_wait:,.1f}",
             f"{load.drain_time:,.1f}",
             f"{load.max_waiting:,}",
             "SATURATED" if load.saturated else "",
         ))
     return format_table(
         ("replica", "requests", "TTFT mean s", "TTFT p90", "hit rate", "recompute cost", "busy s", "utilization",
-         "drain s", "max waiting", ""),
+         "late wait s", "drain s", "max waiting", ""),
         rows,
     )
 

@@ -227,6 +227,7 @@ class Replay:
                 loaded_tokens=job.loaded,
                 swap_loads=job.swap_loads,
                 replica=replica,
+                admit_time=job.admit_time,
             )
         )
         self._tick()

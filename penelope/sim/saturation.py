@@ -15,11 +15,16 @@ seconds of one server's time (`TimeModel`), as a lower bound:
 `load` = (prefill + decode seconds) / trace span: above 1, one server cannot keep up even with a
 perfect cache; `replicas_needed(u)` is the fewest servers that bring it below utilization u.
 
-After a replay, `measure` tells each server's backlog when its last request arrived: the time it
-still needed to finish (`drain_time`). A stable server drains in about one request's latency;
-a saturated one carries a backlog that grows with the trace, so a drain longer than
-`SATURATED_DRAIN` (5%) of the trace's span is reported as saturation (the queue grew without
-bound), with the server's utilization (busy seconds over the seconds it had work).
+After a replay, `measure` looks at how long each server kept its last requests waiting: the
+mean queueing time (send to admission into a prefill batch) of the requests it received in the
+last `LATE_WINDOW` (10%) of the trace's span (`late_wait`). A stable server admits requests
+within seconds however long the trace; a saturated one carries a backlog that grows with the
+trace, so its late requests wait a time proportional to the trace's length. A server whose
+`late_wait` exceeds `SATURATED_WAIT` (5%) of the span is reported saturated (its queue grew
+without bound). Also reported: `drain_time` (seconds from its last arrival to its last finish)
+and `utilization` (busy seconds over the seconds from its first arrival to its last finish; a
+server decoding even one request is busy, so this is near 1 under any steady traffic and does
+not tell saturation by itself), and the requests waiting when its last request arrived.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from penelope.errors import UsageError
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads import Workload
 
-SATURATED_DRAIN = 0.05
+LATE_WINDOW = 0.1
+SATURATED_WAIT = 0.05
 
 
 @dataclass(frozen=True)
@@ -109,11 +115,13 @@ def offered_load(workload: Workload, time_model: TimeModel, cost_model: CostMode
 
 @dataclass(frozen=True)
 class ServerLoad:
-    """One server after a replay. Times in s: `drain_time` from its last arrival to its last
-    finish; `utilization` busy seconds over the seconds from its first arrival to its last
-    finish; `waiting_at_last_arrival`, `max_waiting`: requests in its queue."""
+    """One server after a replay. Times in s: `late_wait` the mean queueing time of its requests
+    sent in the last `LATE_WINDOW` of the span; `drain_time` from its last arrival to its last
+    finish; `utilization` busy seconds over the seconds from its first arrival to its last finish;
+    `waiting_at_last_arrival`, `max_waiting`: requests in its queue."""
 
     replica: int
+    late_wait: float
     drain_time: float
     utilization: float
     waiting_at_last_arrival: int
@@ -124,7 +132,7 @@ class ServerLoad:
 @dataclass(frozen=True)
 class Saturation:
     """Whether the servers kept up (see the module docstring); `span`: seconds from the first to
-    the last arrival of the trace; None fields for closed-loop replays."""
+    the last arrival of the trace."""
 
     open_loop: bool
     span: float
@@ -139,15 +147,15 @@ class Saturation:
         """One line when a server's queue grew without bound, else None."""
         if not self.saturated:
             return None
-        worst = max(self.servers, key=lambda s: s.drain_time)
+        worst = max(self.servers, key=lambda s: s.late_wait)
         which = (f"{len(self.saturated)} of {len(self.servers)} replicas" if len(self.servers) > 1
                  else "the server")
         return (
-            f"SATURATED: {which} could not keep up (queue growing without bound): replica {worst.replica} "
-            f"still needed {worst.drain_time:,.0f} s after its last request arrived "
-            f"({worst.drain_time / self.span:.0%} of the trace's {self.span:,.0f} s), "
-            f"{worst.waiting_at_last_arrival:,} requests waiting then; figures measure the backlog, not the cache. "
-            "Add replicas (--replicas), slow the trace down (--time-scale) or see `penelope analyze`"
+            f"SATURATED: {which} could not keep up (queue growing without bound): requests sent to replica "
+            f"{worst.replica} in the trace's last {LATE_WINDOW:.0%} waited {worst.late_wait:,.0f} s on average "
+            f"before their prefill ({worst.late_wait / self.span:.0%} of the trace's {self.span:,.0f} s), "
+            f"{worst.waiting_at_last_arrival:,} requests waiting at its last arrival; figures measure the backlog, "
+            "not the cache. Add replicas (--replicas), slow the trace down (--time-scale) or see `penelope analyze`"
         )
 
     def as_dict(self) -> dict:
@@ -159,10 +167,16 @@ class Saturation:
         }
 
 
-def measure(servers, open_loop: bool, first_arrival: float, last_arrival: float) -> Saturation:
+def measure(servers, records, open_loop: bool, first_arrival: float, last_arrival: float) -> Saturation:
     """Saturation of a replay from its servers' counters (`penelope.sim.server.ServerCounters`,
-    in replica order) and the trace's first and last arrival times (s)."""
+    in replica order), its request records (any order) and the trace's first and last arrival
+    times (s)."""
     span = max(0.0, last_arrival - first_arrival)
+    late = last_arrival - LATE_WINDOW * span
+    waits: list[list[float]] = [[] for _ in servers]
+    for record in records:
+        if record.send_time >= late and record.admit_time is not None:
+            waits[record.replica].append(record.queue_time)
     loads = []
     for replica, counters in enumerate(servers):
         if counters.queue:
@@ -173,6 +187,7 @@ def measure(servers, open_loop: bool, first_arrival: float, last_arrival: float)
             drain = active = 0.0
             waiting = 0
         utilization = counters.busy_time / active if active > 0 else 0.0
-        saturated = open_loop and span > 0 and drain > SATURATED_DRAIN * span
-        loads.append(ServerLoad(replica, drain, utilization, waiting, counters.max_waiting, saturated))
+        late_wait = float(np.mean(waits[replica])) if waits[replica] else 0.0
+        saturated = open_loop and span > 0 and late_wait > SATURATED_WAIT * span
+        loads.append(ServerLoad(replica, late_wait, drain, utilization, waiting, counters.max_waiting, saturated))
     return Saturation(open_loop, span, tuple(loads))

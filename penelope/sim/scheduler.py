@@ -58,7 +58,8 @@ class Job:
     (phantom holes, all before `compute_from`, then the new tokens from `compute_from`),
     `reused` tokens found resident, `recomputed` spans the cache had held before, `phantom`
     hole tokens refilled, `loaded` tokens loaded from a CPU tier. `number` is the session's
-    position in the workload. Times in seconds of simulated time."""
+    position in the workload. Times in seconds of simulated time (`admit_time`: when the batch
+    holding its first chunk started)."""
 
     session: str
     index: int
@@ -77,6 +78,7 @@ class Job:
     phantom: int = 0
     loaded: int = 0
     swap_loads: int = 0
+    admit_time: float | None = None
     first_token_time: float | None = None
     generated: int = 0
 

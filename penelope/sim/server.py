@@ -192,6 +192,9 @@ class Server:
             loaded += chunk.loaded
         holes = any(chunk.refills_hole for chunk in chunks)
         seconds = self.time_model.prefill_time(tokens, pairs, holes) + self.time_model.load_time(loaded)
+        for chunk in chunks:
+            if chunk.job.admit_time is None:
+                chunk.job.admit_time = self.now
         counters = self.counters
         counters.prefill_batches += 1
         counters.phantom_batches += holes
