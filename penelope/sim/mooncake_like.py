@@ -7,8 +7,10 @@ way. What it reproduces, measured on the real trace (quantile tables below):
 - Every request starts with block id 0 (a shared first block); blocks are 512 tokens.
 - Conversations: a first turn, then follow-ups; a follow-up reuses its previous turn's whole
   blocks as its prefix (the previous turn's partial last block becomes a new, full block) and
-  adds new blocks. 61% of requests are first turns; a conversation at turn d continues with the
-  probability of `CONTINUE` (0.31 after the first turn, rising to about 0.75).
+  adds new blocks. In the real trace 61% of requests share nothing but block 0 with any earlier
+  request (first turns); a turn of at least 2 whole blocks is followed up with the probability
+  `CONTINUE[d]` at turn d (rising from 0.36 to 0.75; a follow-up of a shorter turn shares only
+  block 0 and counts as a first turn in the real trace's statistics, so none is generated).
 - Input lengths of first turns, growth of a follow-up's input over its previous turn (negative
   growth, 8% of follow-ups in the real trace, is taken as none), seconds between turns, output
   lengths: sampled from the real trace's quantiles, linearly between them.
@@ -39,8 +41,10 @@ FIRST_INPUT = (891, 897, 905, 1336, 5264, 13056, 25559, 38494, 89868, 126195)
 GROWTH = (0, 0, 0, 187, 454, 900, 4621, 7419, 17221, 91918)
 TURN_GAP = (0.0, 30.0, 42.0, 66.0, 123.0, 264.0, 483.0, 615.4, 1476.9, 3030.0)
 OUTPUT = (1, 10, 24, 156, 350, 472, 597, 698, 1118, 2000)
-# Probability that a conversation at turn d (0: its first) continues; the last value repeats.
-CONTINUE = (0.307, 0.419, 0.51, 0.587, 0.588, 0.683, 0.75)
+# Probability that a turn d (0: the first) of at least 2 whole blocks is followed up; the last
+# value repeats. Measured: followed-up turns over turns at each depth (0.307 at depth 0, over all
+# first turns, of which the 14% shorter than 2 blocks cannot be followed up: 0.307 / 0.86).
+CONTINUE = (0.357, 0.419, 0.51, 0.587, 0.588, 0.683, 0.75)
 MAX_INPUT = 126195
 RATE = 12031 / 3537.0
 DURATION = 3537.0
@@ -71,11 +75,13 @@ class MooncakeLikeConfig:
 
 
 def mean_turns() -> float:
-    """Expected requests per conversation under `CONTINUE`."""
+    """Expected requests per conversation under `CONTINUE` (first turns shorter than 2 blocks,
+    a fraction read from `FIRST_INPUT`, are never followed up; later turns only grow)."""
+    short = float(np.interp(2 * BLOCK, FIRST_INPUT, QUANTILES)) / 100.0
     total, alive = 0.0, 1.0
     for depth in range(10_000):
         total += alive
-        alive *= CONTINUE[min(depth, len(CONTINUE) - 1)]
+        alive *= CONTINUE[min(depth, len(CONTINUE) - 1)] * ((1.0 - short) if depth == 0 else 1.0)
         if alive < 1e-12:
             break
     return total
@@ -112,7 +118,9 @@ def generate(config: MooncakeLikeConfig | None = None) -> list[dict]:
             if stamp >= 0:
                 rows.append({"timestamp": int(round(stamp * 1000)), "input_length": length,
                              "output_length": output, "hash_ids": ids})
-            if rng.random() >= CONTINUE[min(depth, len(CONTINUE) - 1)] or length >= config.max_input:
+            if length < 2 * BLOCK or length >= config.max_input:
+                break
+            if rng.random() >= CONTINUE[min(depth, len(CONTINUE) - 1)]:
                 break
             depth += 1
             when += float(_sample(TURN_GAP, rng))
