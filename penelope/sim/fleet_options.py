@@ -18,12 +18,12 @@ from penelope.sim.router import (
 from penelope.sim.workloads import Workload
 
 
-def add_fleet_arguments(parser, sweep: bool = True) -> None:
-    """--replicas, --router (a comma-separated sweep when `sweep`), the cache-aware router's
-    thresholds and --time-scale."""
+def add_fleet_arguments(parser, sweep: bool = True, replicas_help: str = "default 1") -> None:
+    """--replicas (default 1, or None when `replicas_help` says what None means), --router (a
+    comma-separated sweep when `sweep`), the cache-aware router's thresholds and --time-scale."""
     parser.add_argument(
-        "--replicas", type=int, default=1, metavar="N",
-        help="servers, each with its own cache (--gpu-cache each) and scheduler, behind a router (default 1)",
+        "--replicas", type=int, default=1 if replicas_help == "default 1" else None, metavar="N",
+        help=f"servers, each with its own cache (--gpu-cache each) and scheduler, behind a router ({replicas_help})",
     )
     names = " | ".join(router_names())
     parser.add_argument(
@@ -38,12 +38,14 @@ def add_fleet_arguments(parser, sweep: bool = True) -> None:
     )
     parser.add_argument(
         "--balance-abs-threshold", type=int, default=BALANCE_ABS_THRESHOLD,
-        help=f"cache-aware router: route to the least loaded replica when max - min load exceeds this many "
-        f"requests and ... (default {BALANCE_ABS_THRESHOLD})",
+        help="cache-aware router: loads are imbalanced (the least loaded replica wins) when the largest exceeds "
+        f"the smallest by more than this many requests and --balance-rel-threshold holds (default "
+        f"{BALANCE_ABS_THRESHOLD})",
     )
     parser.add_argument(
         "--balance-rel-threshold", type=float, default=BALANCE_REL_THRESHOLD,
-        help=f"... max load exceeds min load times this (default {BALANCE_REL_THRESHOLD})",
+        help=f"cache-aware router: ... and the largest load exceeds the smallest times this (default "
+        f"{BALANCE_REL_THRESHOLD})",
     )
     parser.add_argument(
         "--time-scale", type=float, default=1.0, metavar="X",
@@ -64,7 +66,7 @@ def routers_from_args(args, sweep: bool = True) -> list[str]:
                 names.append(name)
     if not sweep and len(names) > 1:
         raise UsageError("--router: give one router here")
-    if args.replicas < 1:
+    if args.replicas is not None and args.replicas < 1:
         raise UsageError(f"--replicas must be a positive integer, got {args.replicas}")
     return names
 
