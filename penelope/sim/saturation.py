@@ -20,8 +20,11 @@ mean queueing time (send to admission into a prefill batch) of the requests it r
 last `LATE_WINDOW` (10%) of the trace's span (`late_wait`). A stable server admits requests
 within seconds however long the trace; a saturated one carries a backlog that grows with the
 trace, so its late requests wait a time proportional to the trace's length. A server whose
-`late_wait` exceeds `SATURATED_WAIT` (5%) of the span is reported saturated (its queue grew
-without bound). Also reported: `drain_time` (seconds from its last arrival to its last finish)
+`late_wait` exceeds both `SATURATED_WAIT` (5%) of the span and `MIN_SATURATED_WAIT` (60 s) is
+reported saturated (its queue grew without bound). The floor keeps transients of short traces
+apart: a burst queued behind the longest prompts (a 126K-token prefill takes about 13 s of an
+H100 under the time model's estimates) can keep requests waiting tens of seconds on a stable
+server. Also reported: `drain_time` (seconds from its last arrival to its last finish)
 and `utilization` (busy seconds over the seconds from its first arrival to its last finish; a
 server decoding even one request is busy, so this is near 1 under any steady traffic and does
 not tell saturation by itself), and the requests waiting when its last request arrived.
@@ -42,6 +45,7 @@ from penelope.sim.workloads import Workload
 
 LATE_WINDOW = 0.1
 SATURATED_WAIT = 0.05
+MIN_SATURATED_WAIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,6 @@ def measure(servers, records, open_loop: bool, first_arrival: float, last_arriva
             waiting = 0
         utilization = counters.busy_time / active if active > 0 else 0.0
         late_wait = float(np.mean(waits[replica])) if waits[replica] else 0.0
-        saturated = open_loop and span > 0 and late_wait > SATURATED_WAIT * span
+        saturated = open_loop and span > 0 and late_wait > max(SATURATED_WAIT * span, MIN_SATURATED_WAIT)
         loads.append(ServerLoad(replica, late_wait, drain, utilization, waiting, counters.max_waiting, saturated))
     return Saturation(open_loop, span, tuple(loads))
