@@ -73,8 +73,9 @@ def max_over_mean(values) -> float:
     return float(array.max()) / mean if mean > 0 else 1.0
 
 
-def fleet_summary(outcome, workload: Workload, config) -> FleetSummary:
-    """The fleet view of a `ReplayResult` of `workload` under `config` (a `SimConfig`)."""
+def fleet_summary(outcome, workload: Workload, config, summary: Summary | None = None) -> FleetSummary:
+    """The fleet view of a `ReplayResult` of `workload` under `config` (a `SimConfig`); `summary`:
+    the summary of all its records when already made (one replica's is the same)."""
     arrivals = [r.arrival for s in workload.sessions for r in s.requests if r.arrival is not None]
     open_loop = not workload.closed_loop
     saturation = measure(outcome.servers, outcome.records, open_loop, min(arrivals, default=0.0),
@@ -85,7 +86,8 @@ def fleet_summary(outcome, workload: Workload, config) -> FleetSummary:
     replicas = tuple(
         ReplicaSummary(
             replica=i,
-            summary=summarize(records) if records else None,
+            summary=(summary if summary is not None and len(by_replica) == 1 else summarize(records))
+            if records else None,
             busy_time=counters.busy_time,
             prefill_tokens=counters.prefill_tokens,
             load=saturation.servers[i],

@@ -213,8 +213,9 @@ def run_policy(
     if counters[0] is not None:
         tiers = counters[0].as_dict() if len(caches) == 1 else _summed([c.as_dict() for c in counters])
     stats = cache.stats if len(caches) == 1 else _summed_stats([c.stats for c in caches])
-    return PolicyResult(policy, cache.policy.name, summarize(outcome.records), outcome, stats, tiers=tiers,
-                        fleet=fleet_summary(outcome, workload, config))
+    summary = summarize(outcome.records)
+    return PolicyResult(policy, cache.policy.name, summary, outcome, stats, tiers=tiers,
+                        fleet=fleet_summary(outcome, workload, config, summary))
 
 
 def _summed(dicts: list[dict]) -> dict:
