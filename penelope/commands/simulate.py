@@ -239,6 +239,7 @@ def prepare(args, sweep_routers: bool = True) -> dict:
 
     from penelope.costmodel import CostModel
     from penelope.models import get_model
+    from penelope.sim import conversations
     from penelope.sim.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
     from penelope.sim.options import load_from_args
     from penelope.sim.run import SimConfig, default_gpu_cache
@@ -259,6 +260,8 @@ def prepare(args, sweep_routers: bool = True) -> dict:
     routers = routers_from_args(args, sweep=sweep_routers)
     routing = routing_from_args(args)
     time_scale = check_time_scale(args.time_scale)
+    if args.conversations not in conversations.MODES:
+        conversations.apply(None, args.conversations)
 
     def make_config(capacity: int, router: str = routers[0]) -> SimConfig:
         return SimConfig(
@@ -280,6 +283,10 @@ def prepare(args, sweep_routers: bool = True) -> dict:
     for capacity, router in settings:
         make_config(capacity, router)
     workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
+    if args.conversations != "none":
+        workload = conversations.apply(workload, args.conversations)
+        description["sessions"] = len(workload.sessions)
+    description["conversations"] = args.conversations
     workload = scale_time(workload, time_scale)
     description["time_scale"] = time_scale
     config = {

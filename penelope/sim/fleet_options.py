@@ -1,5 +1,6 @@
 """Command-line options of a replay's servers and traffic, shared by `penelope simulate` and
-`penelope analyze`: replicas behind a router, the router's thresholds, and the time scale."""
+`penelope analyze`: replicas behind a router, the router's thresholds, conversations recovered
+from prefixes, and the time scale."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from penelope.sim.workloads import Workload
 
 def add_fleet_arguments(parser, sweep: bool = True, replicas_help: str = "default 1") -> None:
     """--replicas (default 1, or None when `replicas_help` says what None means), --router (a
-    comma-separated sweep when `sweep`), the cache-aware router's thresholds and --time-scale."""
+    comma-separated sweep when `sweep`), the cache-aware router's thresholds, --conversations and
+    --time-scale."""
     parser.add_argument(
         "--replicas", type=int, default=1 if replicas_help == "default 1" else None, metavar="N",
         help=f"servers, each with its own cache (--gpu-cache each) and scheduler, behind a router ({replicas_help})",
@@ -46,6 +48,12 @@ def add_fleet_arguments(parser, sweep: bool = True, replicas_help: str = "defaul
         "--balance-rel-threshold", type=float, default=BALANCE_REL_THRESHOLD,
         help=f"cache-aware router: ... and the largest load exceeds the smallest times this (default "
         f"{BALANCE_REL_THRESHOLD})",
+    )
+    parser.add_argument(
+        "--conversations", default="none",
+        help="open-loop traces without session ids (Mooncake's): none (each request is its own session) | prefix "
+        "(a request continues the conversation whose previous turn's blocks it starts with; sessions for JCT "
+        "and the session router)",
     )
     parser.add_argument(
         "--time-scale", type=float, default=1.0, metavar="X",
