@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 TRACE=${1:?usage: scripts/mooncake_fleet.sh PATH/TO/conversation_trace.jsonl}
 OUT=results/mooncake
 REPLICAS=${REPLICAS:-8}
-CACHES=${CACHES:-128K,256K}
+CACHES=${CACHES:-256K,512K}
 REPEAT=${REPEAT:-5}
 VENV=${PENELOPE_VENV:-.venv}
 mkdir -p "$OUT"

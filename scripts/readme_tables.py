@@ -2,6 +2,7 @@
 
     python scripts/readme_tables.py weka results/weka    # after scripts/weka_results.sh
     python scripts/readme_tables.py synthetic results    # after penelope reproduce
+    python scripts/readme_tables.py fleet results/mooncake/fleet.json    # after scripts/mooncake_fleet.sh
     python scripts/readme_tables.py fleet results/mooncake/fleet.json   # after scripts/mooncake_fleet.sh
 
 Every figure is a mean over the ensemble's runs with its 95% interval: hit rates as mean ±half-width,

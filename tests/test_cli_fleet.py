@@ -50,6 +50,20 @@ def test_router_sweep_over_replicas_prints_fleet_tables_and_writes_each_setting(
     assert "offered load:" in out.out and out.err == ""
 
 
+def test_an_ensemble_of_fleet_replays_reports_the_fleet_of_every_run(traces, tmp_path, capsys):
+    payload = run_json(tmp_path, "simulate", "--trace", str(traces["light"]), "--gpu-cache", "128K",
+                       "--replicas", "2", "--router", "session", "--repeat", "2", "--jobs", "1")
+    assert payload["config"]["ensemble"]["repeat"] == 2 and payload["config"]["replicas"] == 2
+    for result in payload["results"].values():
+        assert len(result["runs"]) == 2
+        for run in result["runs"]:
+            assert run["fleet"]["router"] == "session" and len(run["fleet"]["per_replica"]) == 2
+            assert sum(r["summary"]["requests"] for r in run["fleet"]["per_replica"]) == run["requests"]
+    out = capsys.readouterr().out
+    assert "x 2 replicas, session router: pressure = SGLang hit rate" in out and "2 runs (" in out
+    assert "fleet: 2 replicas, session router" in out
+
+
 def test_an_overloaded_server_is_reported_and_time_scale_relieves_it(traces, tmp_path, capsys):
     args = ["simulate", "--trace", str(traces["heavy"]), "--gpu-cache", "128K", "--policies", "sglang"]
     payload = run_json(tmp_path, *args)
@@ -70,7 +84,11 @@ def test_a_light_trace_is_not_saturated(traces, tmp_path, capsys):
     payload = run_json(tmp_path, "simulate", "--trace", str(traces["light"]), "--gpu-cache", "128K")
     for result in payload["results"].values():
         assert result["fleet"]["saturation"]["saturated"] == []
-    assert capsys.readouterr().err == ""
+    out = capsys.readouterr()
+    assert out.err == ""
+    # An open-loop trace: arrival times, not a number of sessions at once, drive the replay.
+    assert "open loop: requests sent at their recorded arrival times" in out.out
+    assert "sessions at once" not in out.out
 
 
 def test_analyze_says_how_many_replicas_the_trace_needs(traces, tmp_path, capsys):

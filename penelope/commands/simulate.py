@@ -287,6 +287,7 @@ def prepare(args, sweep_routers: bool = True) -> dict:
         workload = conversations.apply(workload, args.conversations)
         description["sessions"] = len(workload.sessions)
     description["conversations"] = args.conversations
+    description["closed_loop"] = workload.closed_loop
     workload = scale_time(workload, time_scale)
     description["time_scale"] = time_scale
     config = {
@@ -335,14 +336,16 @@ def print_config(config: dict, time_model) -> None:
     dropped = ", ".join(f"{k} {v}" for k, v in loader["dropped"].items()) or "none"
     skipped = ", ".join(f"{k} {v}" for k, v in loader["sessions_skipped"].items()) or "none"
     print(
-        f"workload: {source}: {work['sessions']} sessions, {work['requests']:,} requests "
+        f"workload: {source}: {work['sessions']:,} sessions, {work['requests']:,} requests "
         f"(requests left out: {dropped}; sessions left out: {skipped})"
     )
     think = work["think_time"]
+    closed = work.get("closed_loop", True)
     print(
-        f"  max context {format_size(work['max_context'])}, think time {think['mode']}"
-        + (f" x{think['scale']:g}" if think["scale"] != 1 else "")
-        + (f" capped at {think['cap']:g} s" if think["cap"] is not None else "")
+        f"  max context {format_size(work['max_context'])}, "
+        + (f"think time {think['mode']}" + (f" x{think['scale']:g}" if think["scale"] != 1 else "")
+           + (f" capped at {think['cap']:g} s" if think["cap"] is not None else "")
+           if closed else "open loop: requests sent at their recorded arrival times")
     )
     print(
         f"model {config['model']} on {config['num_gpus']}x {config['gpu'].upper()} "
@@ -354,7 +357,8 @@ def print_config(config: dict, time_model) -> None:
     sizes = ", ".join(format_size(c) for c in gpu_cache) if isinstance(gpu_cache, list) else format_size(gpu_cache)
     print(
         f"server: GPU cache {sizes} tokens, CPU cache {format_size(config['cpu_cache'])}, "
-        f"{config['sessions']} sessions at once, {config['scheduler'].upper()} scheduler, "
+        + (f"{config['sessions']} sessions at once, " if closed else "")
+        + f"{config['scheduler'].upper()} scheduler, "
         f"{config['chunk_size']} prefill tokens per batch"
         + (f", {config['replicas']} replicas behind {' | '.join(config['routers'])}" if config["replicas"] > 1 else "")
     )

@@ -78,6 +78,7 @@ def replica_table(fleet) -> str:
             f"{s.requests:,}" if s else 0,
             f"{s.ttft_mean:.3f}" if s else "n/a",
             f"{s.ttft_p90:.3f}" if s else "n/a",
+            f"{s.jct_mean:,.1f}" if s else "n/a",
             f"{s.hit_rate:.2%}" if s else "n/a",
             f"{s.recompute_cost:.3g}" if s else "n/a",
             f"{replica.busy_time:,.0f}",
@@ -88,8 +89,8 @@ def replica_table(fleet) -> str:
             "SATURATED" if load.saturated else "",
         ))
     return format_table(
-        ("replica", "requests", "TTFT mean s", "TTFT p90", "hit rate", "recompute cost", "busy s", "utilization",
-         "late wait s", "drain s", "max waiting", ""),
+        ("replica", "requests", "TTFT mean s", "TTFT p90", "JCT mean s", "hit rate", "recompute cost", "busy s",
+         "utilization", "late wait s", "drain s", "max waiting", ""),
         rows,
     )
 
