@@ -120,6 +120,8 @@ def test_a_low_match_goes_to_the_least_loaded_replica_and_a_high_one_to_its_owne
     assert router.route(request([0, 7, 8, 9]), 2, [5, 9, 3], now=2.0) == 2
     # The shared first block now names its first owner, replica 1, to a short request (1 of 1).
     assert router.route(request([0]), 3, [5, 9, 3], now=3.0) == 1
+    # Exactly the threshold (2 of 4 blocks, 50%) is not above it (SGLang: match_rate > cache_threshold).
+    assert router.route(request([0, 1, 5, 6]), 4, [5, 9, 3], now=4.0) == 2
 
 
 def test_tree_eviction_keeps_each_replica_under_its_limit_leaves_and_oldest_first():
