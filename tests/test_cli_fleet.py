@@ -101,6 +101,9 @@ def test_analyze_says_how_many_replicas_the_trace_needs(traces, tmp_path, capsys
     text = capsys.readouterr().out
     assert f"stays below saturation from {load['replicas_needed']} replicas" in text
     assert "saturation: none" in text and "estimated gain at 128K x" in text
+    # No tool waits in an open-loop trace: nothing reads "nan s".
+    assert "open loop: requests sent at their recorded arrival times" in text and "nan" not in text
+    assert "reuse distance: none to measure, no session sends a second request" in text
     payload = run_json(tmp_path, "analyze", str(traces["heavy"]), "--gpu-cache", "128K", "--replicas", "1")
     assert payload["replicas"] == 1
     assert payload["estimate"]["sglang"]["fleet"]["saturation"]["saturated"] == [0]

@@ -93,22 +93,36 @@ def run(args) -> int:
 
     describe = setup["config"]["workload"]
     print(f"workload: {describe['format']} {describe['trace'] or ''}".rstrip()
-          + f": {stats['sessions']} sessions, {stats['requests']:,} requests")
+          + f": {stats['sessions']:,} sessions, {stats['requests']:,} requests")
     print(format_table(
         ("tokens", "p10", "p50", "p90", "max"),
         [("input", *(_tokens(stats[f"input_{q}"]) for q in ("p10", "p50", "p90", "max")))],
     ))
     print(f"output tokens: p50 {stats['output_p50']:,.0f}, mean {stats['output_mean']:,.0f}")
-    print(f"turns: {stats['extension_fraction']:.0%} extend the previous input, "
-          f"{stats['compaction_fraction']:.1%} compactions; tool waits p50 {stats['tool_wait_p50']:.0f} s, "
-          f"p90 {stats['tool_wait_p90']:.0f} s; human turns {stats['human_fraction']:.0%}")
+    if stats["extension_fraction"] == stats["extension_fraction"]:
+        turns = f"turns: {stats['extension_fraction']:.0%} extend the previous input, " \
+            f"{stats['compaction_fraction']:.1%} compactions; "
+    else:
+        # NaN: no session has a second turn (an open-loop trace without --conversations prefix).
+        turns = "turns: every session is a single request; "
+    if workload.closed_loop:
+        print(turns + f"tool waits p50 {stats['tool_wait_p50']:.0f} s, p90 {stats['tool_wait_p90']:.0f} s; "
+              f"human turns {stats['human_fraction']:.0%}")
+    else:
+        print(turns + "open loop: requests sent at their recorded arrival times")
     print(f"shared prefix: {_tokens(prefix['all_sessions'])} tokens common to all sessions; "
           f"longest shared with another session p50 {_tokens(prefix['pairwise_p50'])}, "
           f"max {_tokens(prefix['pairwise_max'])}")
     print(f"hit rate under an unbounded cache: {unbounded['hit_rate']:.1%}")
-    print(f"reuse distance ({args.sessions} sessions at once): p50 {_tokens(reuse['p50'])}, "
-          f"p90 {_tokens(reuse['p90'])}, max {_tokens(reuse['max'])} tokens; "
-          f"an LRU cache of {format_size(capacity)} keeps the history for {reuse['lru_fit']:.0%} of reuses")
+    traffic = f"{args.sessions} sessions at once" if workload.closed_loop else "every request in send order"
+    if args.replicas > 1:
+        traffic += f", all {args.replicas} replicas' traffic together"
+    if reuse["reuses"]:
+        print(f"reuse distance ({traffic}): p50 {_tokens(reuse['p50'])}, "
+              f"p90 {_tokens(reuse['p90'])}, max {_tokens(reuse['max'])} tokens; "
+              f"an LRU cache of {format_size(capacity)} keeps the history for {reuse['lru_fit']:.0%} of reuses")
+    else:
+        print("reuse distance: none to measure, no session sends a second request")
     if load is not None:
         for line in offered_load_lines(load, capacity, args.replicas):
             print(line)
