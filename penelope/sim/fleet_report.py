@@ -28,7 +28,7 @@ def offered_load_lines(load, capacity: int, replicas: int) -> list[str]:
     ]
     if replicas > 1 or load.load >= 1:
         share = load.load / replicas
-        note = " : SATURATED, expect a queue growing without bound" if share >= 1 else ""
+        note = ": SATURATED, expect a queue growing without bound" if share >= 1 else ""
         lines.append(f"  {replicas} replica{'s' if replicas > 1 else ''}: {share:.2f} of each one's capacity{note}")
     return lines
 
