@@ -35,8 +35,32 @@ import os
 from dataclasses import asdict, dataclass
 
 from penelope.errors import UsageError
+from penelope.memory import check_memory
+from penelope.outputs import write_text
 
 ATTENTION_CHOICES = ("naive", "triton")
+# Range of every integer option: the tiny model runs on a CPU in seconds; beyond these a run
+# takes hours (sessions, turns) or cannot be held by any cache (token counts).
+_TOKENS = 2**31 - 1
+OPTION_RANGES = {
+    "sessions": (1, 4096),
+    "turns": (1, 4096),
+    "cache_tokens": (1, _TOKENS),
+    "seed": (0, 2**63 - 1),
+    "block_size": (1, 1 << 16),
+    "system_tokens": (0, _TOKENS),
+    "message_tokens": (1, _TOKENS),
+    "reply_tokens": (1, _TOKENS),
+    "cpu_cache": (0, _TOKENS),
+    "swap_buffer": (0, _TOKENS),
+}
+
+
+def check_device(device: str) -> None:
+    """Raise UsageError unless `device` is `cpu`, `cuda` or `cuda:N` (torch's spelling)."""
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (index.isdigit() and kind == "cuda")):
+        raise UsageError(f"--device {device}: not a device the engine runs on (cpu, cuda, cuda:N)")
 COPY_CHOICES = ("triton", "naive")
 ENGINE_CHOICES = ("reference", "sglang")
 
@@ -70,18 +94,16 @@ class VerifyOptions:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
             raise UsageError(f"unknown attention {self.attention!r}; choose from {list(ATTENTION_CHOICES)}")
-        for name in ("cache_tokens", "block_size"):
+        for name, (low, high) in OPTION_RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise UsageError(f"seed must be a non-negative integer, got {self.seed!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "positive" if low == 1 else "non-negative"
+                raise UsageError(f"{name} must be a {kind} integer, got {value!r}")
+            if value > high:
+                raise UsageError(f"{name} must be at most {high}, got {value}")
+        check_device(self.device)
         if self.copy not in COPY_CHOICES:
             raise UsageError(f"unknown copy function {self.copy!r}; choose from {list(COPY_CHOICES)}")
-        for name in ("cpu_cache", "swap_buffer"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"{name} must be a non-negative integer, got {value!r}")
         if self.cpu_cache:
             # TwoTierCache says the same, but only after the model is built.
             if self.cpu_cache < self.block_size:
@@ -221,6 +243,13 @@ def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
     if longest > config.max_position_embeddings:
         raise UsageError(f"a session grows to up to {longest} tokens, beyond the model's "
                          f"{config.max_position_embeddings} positions")
+    big = reference_capacity(workload, options.block_size)
+    # Both runs' K/V pools (the small cache with its CPU tier, the never-evicting one) in the
+    # weights' dtype (fp32): check them against memory before allocating.
+    row_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    rows = options.cache_tokens + options.cpu_cache + options.swap_buffer + big
+    check_memory(rows * row_bytes, f"K/V pools of {rows:,} token rows (--cache-tokens, --cpu-cache, --swap-buffer "
+                 "and a never-evicting reference)")
     device = torch.device(options.device)
     weights = random_weights(config, seed=options.seed, device=device)
     model = Qwen3Decoder(config, weights, attention=options.attention, deterministic=True)
@@ -242,7 +271,6 @@ def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
         return record, cache, server
 
     small, small_cache, small_server = run(options.cache_tokens, options.cpu_cache)
-    big = reference_capacity(workload, options.block_size)
     reference, reference_cache, _ = run(big)
     if reference_cache.stats.evicted_tokens:
         raise InvariantError(f"the reference cache of {big} tokens evicted {reference_cache.stats.evicted_tokens}")
@@ -325,41 +353,64 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    import torch
-
+    from penelope.outputs import check_outputs
     from penelope.policy import policy_names
 
+    check_outputs({"--json": args.json}, {"--model": args.model})
     if args.policy not in policy_names(aliases=True):
         raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
+    check_device(args.device)
     if args.engine == "sglang":
         return run_sglang(args)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: no CUDA device is available")
-    triton_copy = args.copy == "triton" and args.cpu_cache > 0
-    if (args.attention == "triton" or triton_copy) and not args.device.startswith("cuda"):
-        # Triton kernels on CPU tensors only run in the interpreter; it must be chosen before the
-        # kernel package is first imported (the engine imports it on the first triton call).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     options = VerifyOptions(
         sessions=args.sessions, turns=args.turns, cache_tokens=args.cache_tokens, policy=args.policy,
         attention=args.attention, seed=args.seed, block_size=args.block_size, system_tokens=args.system_tokens,
         message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, device=args.device,
         cpu_cache=args.cpu_cache, swap_buffer=args.swap_buffer, copy=args.copy,
     )
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available")
+    index = args.device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    triton_copy = args.copy == "triton" and args.cpu_cache > 0
+    if (args.attention == "triton" or triton_copy) and not args.device.startswith("cuda"):
+        # Triton kernels on CPU tensors only run in the interpreter; it must be chosen before the
+        # kernel package is first imported (the engine imports it on the first triton call).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # The tiny model's one-row products gain nothing from intra-op threads; on a busy machine
     # extra threads only wait for each other (measured: 10x slower with 2 threads on 2 shared cores).
     torch.set_num_threads(1)
     report = verify(options)
     print(summary(options, report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report.as_dict(), handle, indent=2)
+        write_text(args.json, json.dumps(report.as_dict(), indent=2))
         print(f"wrote {args.json}")
     return 0 if report.identical else 1
 
 
+def check_sglang_options(args) -> None:
+    """Ranges of the `--engine sglang` options (before SGLang is imported)."""
+    for flag, value, low, high in (("--page-size", args.page_size, 1, 1 << 16), ("--rows", args.rows, 1, 4096),
+                                   ("--sessions", args.sessions, 1, 4096), ("--turns", args.turns, 1, 4096),
+                                   ("--cache-tokens", args.cache_tokens, 1, 2**31 - 1),
+                                   ("--seed", args.seed, 0, 2**63 - 1),
+                                   ("--system-tokens", args.system_tokens, 0, 2**31 - 1),
+                                   ("--message-tokens", args.message_tokens, 1, 2**31 - 1),
+                                   ("--reply-tokens", args.reply_tokens, 1, 2**31 - 1)):
+        if not low <= value <= high:
+            raise UsageError(f"{flag} must be in [{low}, {high}], got {value}")
+    if args.chunk != -1 and not 1 <= args.chunk <= 2**31 - 1:
+        raise UsageError(f"--chunk must be -1 (off) or a positive number of tokens, got {args.chunk}")
+    if not 0 <= args.atol < math.inf:
+        raise UsageError(f"--atol must be a finite non-negative number, got {args.atol}")
+
+
 def run_sglang(args) -> int:
     """`--engine sglang`: three Engines (two with --no-default), compared; exit 1 on a difference."""
+    check_sglang_options(args)
     import sys
     import tempfile
 
@@ -388,8 +439,7 @@ def run_sglang(args) -> int:
                                                                  file=sys.stderr, flush=True))
     print(sglang_summary(report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        write_text(args.json, json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0 if report["passed"] else 1
 
