@@ -81,6 +81,8 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["simulate", "--max-context", "1G"], "a synthetic workload of 24 sessions"),
     (["simulate", "--think-time", "scale:1e17"], "think times add up to"),
     (["simulate", "--limit-sessions", "-3"], "--limit-sessions must be at least 1"),
+    (["simulate", "--cpu-cache", "1K", "--swap-buffer", "2G-1"], "--swap-buffer: cannot read '2G-1'"),
+    (["simulate", "--cpu-cache", "1K", "--swap-buffer", "1M"], "--swap-buffer 1048576 is larger than the CPU tier"),
     (["verify", "--device", "tpu9"], "--device tpu9: not a device"),
     (["verify", "--sessions", "5000"], "sessions must be at most 4096, got 5000"),
     (["verify", "--cache-tokens", "2000000000"], "K/V pools of"),
