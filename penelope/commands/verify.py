@@ -408,24 +408,33 @@ def check_sglang_options(args) -> None:
         raise UsageError(f"--atol must be a finite non-negative number, got {args.atol}")
 
 
+def engine_args(items: list[str]) -> dict:
+    """`--engine-arg KEY=JSON` options as a dict (a value that is not JSON is taken as text)."""
+    extra = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=JSON")
+        try:
+            extra[key] = json.loads(value)
+        except RecursionError:
+            raise UsageError(f"--engine-arg {key}: JSON nested too deeply") from None
+        except ValueError:
+            # Not JSON: the text itself.
+            extra[key] = value
+    return extra
+
+
 def run_sglang(args) -> int:
     """`--engine sglang`: three Engines (two with --no-default), compared; exit 1 on a difference."""
     check_sglang_options(args)
+    extra = engine_args(args.engine_arg)
     import sys
     import tempfile
 
     from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
     from penelope.integration.sglang.verify import EngineCheck, check, tiny_model
 
-    extra = {}
-    for item in args.engine_arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise UsageError(f"--engine-arg {item!r}: expected KEY=JSON")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
     device = "cpu" if args.device == "cpu" else "cuda"
     traffic = AgentTraffic(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                            first_tokens=args.message_tokens, growth_tokens=args.message_tokens,
