@@ -158,8 +158,9 @@ def nested_subagents(depth):
 
 
 @pytest.mark.parametrize("trace, message", [
-    (weka_trace([weka_request([[1], [2, 3]])]), "hash ids must be a flat list of integers"),
-    (weka_trace([weka_request(["x", "y"])]), "hash ids must be integers"),
+    (weka_trace([weka_request(), weka_request([[1], [2, 3]])]), "requests[1]: hash ids must be a flat list"),
+    (weka_trace([weka_request(), weka_request([1, [2, 3]])]), "requests[1]: hash ids must be a flat list"),
+    (weka_trace([weka_request(), weka_request(["x", 2.5])]), "requests[1]: hash ids must be integers"),
     (nested_subagents_text(5000), "JSON nested too deeply"),
     (weka_trace([weka_request(), weka_request(think_time=1e17)]), "think times add up to 1e+17 s"),
 ])
