@@ -48,8 +48,8 @@ def parse_size_list(text: str, what: str = "sizes", maximum: int = MAX_SIZE) -> 
 
 
 def format_size(tokens: int) -> str:
-    """Shortest exact K/M form of a size: 131072 -> '128K', 1000 -> '1000'."""
-    for suffix, factor in (("M", 1024**2), ("K", 1024)):
+    """Shortest exact K/M/G form of a size: 131072 -> '128K', 1000 -> '1000'."""
+    for suffix, factor in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
         if tokens and tokens % factor == 0:
             return f"{tokens // factor}{suffix}"
     return str(tokens)

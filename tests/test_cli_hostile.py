@@ -267,3 +267,14 @@ def test_os_error_is_one_line(tmp_path, monkeypatch, capsys):
     assert main(["cost", "--json", str(tmp_path / "c.json")]) == 1
     assert capsys.readouterr().err == f"penelope: error: {tmp_path / 'c.json'}: No space left on device\n"
     assert not os.path.exists(tmp_path / "c.json")
+
+
+def test_replays_are_checked_against_memory_before_they_start(monkeypatch, capsys):
+    # The caches allocate as they fill; what the largest may reach, in every worker, must fit.
+    from penelope import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 200 * 2**20)
+    assert main(["simulate", "--gpu-cache", "1G", "--limit-sessions", "4", "--repeat", "2", "--jobs", "2",
+                 "--no-progress"]) == 2
+    one_error(capsys, "replaying", "requests in a cache of 1G tokens in 2 processes", "needed, more than the 200.0 MiB")
+    assert main(["simulate", "--gpu-cache", "64K", "--limit-sessions", "1", "--no-progress"]) == 0

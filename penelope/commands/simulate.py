@@ -145,7 +145,7 @@ def run(args) -> int:
     policies = parse_policies(args.policies)
     repeat, perturbation, jobs = ensemble_options(args)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
-    setup = prepare(args)
+    setup = prepare(args, workers=jobs, tasks=repeat * len(policies))
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
     capacities = setup["capacities"]
@@ -268,16 +268,20 @@ def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbati
     return 0
 
 
-def prepare(args) -> dict:
+def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
     """Everything both `simulate` and `analyze` need from the options: the workload, the model,
     the time and cost models, the GPU capacities (the model's default when none is given) and a
-    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
+    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded, and
+    the memory the replays may reach (in up to `workers` processes running `tasks` replays per
+    capacity) is checked before they start."""
     import dataclasses
 
     from penelope.costmodel import CostModel
     from penelope.errors import UsageError
+    from penelope.memory import check_memory
     from penelope.models import get_model
     from penelope.sim.options import load_from_args
+    from penelope.sim.replay import replay_memory
     from penelope.sim.run import SimConfig, default_gpu_cache
     from penelope.sim.timemodel import TimeModel
     from penelope.units import parse_size, parse_size_list
@@ -313,6 +317,13 @@ def prepare(args) -> dict:
         if capacity < smallest:
             raise UsageError(f"--gpu-cache {format_size(capacity)}: no request of the workload fits in it (the "
                              f"smallest needs {smallest:,} tokens of input and output)")
+    # Caches grow as they fill: what the largest one may reach must fit, in every worker process.
+    workers = min(workers, tasks * len(capacities))
+    concurrent = args.sessions if workload.closed_loop else 64
+    need = replay_memory(workload, max(capacities) + cpu_cache, max(1, concurrent)) * workers
+    where = f" in {workers} processes" if workers > 1 else ""
+    check_memory(need, f"replaying {workload.num_requests:,} requests in a cache of "
+                 f"{format_size(max(capacities) + cpu_cache)} tokens{where}")
     config = {
         "workload": description,
         "model": shape.name,

@@ -42,6 +42,30 @@ from penelope.sim.workloads import MAX_CLOCK, Workload
 MAX_DECODE_STEPS = 1 << 20
 
 
+# Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
+# measured with long nodes, rounded up for histories split into many short nodes.
+CACHED_TOKEN_BYTES = 48
+# Bytes per prompt token of a running request (its token and slot arrays, match and insert copies).
+RUNNING_TOKEN_BYTES = 32
+
+
+def replay_memory(workload: Workload, capacity: int, concurrent: int) -> int:
+    """Bytes a replay of `workload` through a cache of `capacity` tokens (both tiers) may hold at
+    once: every token the cache can keep (at most the workload's distinct tokens) and the arrays of
+    `concurrent` running requests of the largest size. Caches allocate as they fill, so this is
+    what to check against memory before a replay, not before creating the cache."""
+    requests = [request for _, _, request in workload.requests()]
+    if not requests:
+        return 0
+    cached = min(capacity, sum(r.input_tokens for r in requests))
+    if cached * CACHED_TOKEN_BYTES > 2**30:
+        # Worth a closer bound: distinct blocks, plus each request's partial last block.
+        distinct = np.unique(np.concatenate([r.keys for r in requests])).size
+        cached = min(cached, (distinct + len(requests)) * workload.block_size)
+    largest = max(r.input_tokens for r in requests)
+    return cached * CACHED_TOKEN_BYTES + min(concurrent, len(requests)) * largest * RUNNING_TOKEN_BYTES
+
+
 def check_clock_range(workload: Workload) -> None:
     """Raise UsageError when a workload's waits or arrivals could take the clock past `MAX_CLOCK`:
     closed loop, all think times together; open loop, the last arrival."""
