@@ -135,6 +135,14 @@ def test_reproduce_checks_every_step_before_the_first(tmp_path, capsys):
     assert not out.exists() or files(out) == {}
 
 
+def test_reproduce_checks_every_result_file_before_the_first_step(tmp_path, capsys):
+    out = tmp_path / "results"
+    (out / "ablation.json").mkdir(parents=True)
+    assert main(["reproduce", "--out", str(out), "--no-progress"]) == 2
+    one_error(capsys, "ablation.json is a folder")
+    assert sorted(p.name for p in out.iterdir()) == ["ablation.json"]
+
+
 def test_outputs_are_replaced_whole_and_through_links(tmp_path):
     from penelope.outputs import write_text
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 # Runs per replay setting: intervals narrow enough to tell the policies apart, and the whole job
 # within a few minutes on a 2-core machine.
 DEFAULT_REPEAT = 6
+# What the steps write into --out.
+RESULT_FILES = ("cost.json", "cost.png", "simulate.json", "simulate.png", "ablation.json", "ablation.png")
 
 
 def add_parser(subparsers) -> None:
@@ -37,8 +39,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from penelope.cli import build_parser, main
     from penelope.errors import UsageError
-    from penelope.models import get_model
-    from penelope.outputs import check_folder
+    from penelope.models import get_model, model_path
+    from penelope.outputs import check_folder, check_outputs
     from penelope.units import parse_size, parse_size_list
 
     # Every input is checked before the first step, so a bad one costs nothing and no step's
@@ -49,6 +51,8 @@ def run(args) -> int:
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
     out = check_folder("--out", args.out)
+    check_outputs({f"--out {args.out}: {name}": str(out / name) for name in RESULT_FILES},
+                  {"--model": model_path(args.model)})
     replay = ["--no-progress"] if args.no_progress else []
     if args.limit_sessions:
         replay += ["--limit-sessions", str(args.limit_sessions)]
