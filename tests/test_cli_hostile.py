@@ -278,3 +278,17 @@ def test_replays_are_checked_against_memory_before_they_start(monkeypatch, capsy
                  "--no-progress"]) == 2
     one_error(capsys, "replaying", "requests in a cache of 1G tokens in 2 processes", "needed, more than the 200.0 MiB")
     assert main(["simulate", "--gpu-cache", "64K", "--limit-sessions", "1", "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize("args", [["--think-time", "sometimes"], ["--seed", "-1"], ["--limit-sessions", "0"],
+                                  ["--gpu-cache", "nan"], ["--max-context", "0"], ["--sessions", "0"],
+                                  ["--repeat", "2", "--band", "2"], ["--policies", "lru"]])
+def test_option_errors_are_found_before_the_workload_is_loaded(args, monkeypatch, capsys):
+    from penelope.sim import options
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the workload was loaded before the options were checked")
+
+    monkeypatch.setattr(options, "load_workload", loaded)
+    assert main(["simulate", *args, "--no-progress"]) == 2
+    one_error(capsys)

@@ -113,11 +113,11 @@ def load_from_args(args, path: str | None) -> tuple[Workload, dict]:
         raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.limit_sessions is not None and args.limit_sessions < 1:
         raise UsageError(f"--limit-sessions must be at least 1, got {args.limit_sessions}")
+    think = parse_think_time(args.think_time)
     options = {}
     if fmt == "weka":
         options = dict(shared_prefix=not args.no_shared_prefix, subagents=args.subagents, overflow=args.overflow)
     workload = load_workload(fmt, path, max_context=max_context, seed=args.seed, **options)
-    think = parse_think_time(args.think_time)
     loaded_sessions = len(workload.sessions)
     if args.limit_sessions is not None:
         workload = dataclasses.replace(workload, sessions=workload.sessions[: args.limit_sessions])
