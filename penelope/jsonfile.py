@@ -18,6 +18,8 @@ def read_json(path: str | Path, what: str, max_bytes: int | None = None, error=U
 
     max_bytes: refuse larger files (None: whatever the available memory can parse). `error`: the
     UsageError subclass to raise."""
+    if "\0" in str(path):
+        raise error(f"{what} {str(path)!r}: a file name cannot hold a NUL byte")
     path = Path(path)
     try:
         if not path.exists():

@@ -42,6 +42,8 @@ def check_output(flag: str, path: str) -> str:
     """Raise UsageError unless `path` can be written as a file; returns its resolved path."""
     if not str(path).strip():
         raise UsageError(f"{flag}: empty file name")
+    if "\0" in str(path):
+        raise UsageError(f"{flag} {path!r}: a file name cannot hold a NUL byte")
     if str(path).endswith(("/", os.sep)):
         raise UsageError(f"{flag} {path} names a folder; give a file name")
     target = os.path.realpath(path)

@@ -8,6 +8,10 @@ Every input a fuzz target tries ends in one of two outcomes, or fails the test:
 Any other exception (a traceback), a crash, a state change after a rejected call or a changed
 output file fails the test, so a passing run has zero of them. `conftest.py` prints the table at
 the end of a pytest run; with `PENELOPE_FUZZ_SUMMARY=FILE` it also writes it as JSON.
+
+Seeds are fixed, so one command tries the same inputs on every run. Hypothesis also draws
+constants from the modules loaded, so the whole suite (`scripts/test.sh`, as CI) and this file
+alone try slightly different inputs, each the same every time.
 """
 from __future__ import annotations
 

@@ -235,6 +235,14 @@ def test_ctrl_c_is_one_line_with_exit_code_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "penelope: interrupted\n"
 
 
+def test_file_names_with_a_nul_byte(capsys):
+    # Not from a shell, but main() takes any string.
+    assert main(["cost", "--json", "a\0b"]) == 2
+    one_error(capsys, "a file name cannot hold a NUL byte")
+    assert main(["simulate", "--calibration", "a\0b"]) == 2
+    one_error(capsys, "a file name cannot hold a NUL byte")
+
+
 def test_a_message_with_a_line_break_stays_one_line(tmp_path, capsys):
     folder = tmp_path / "two\nlines"
     folder.mkdir()

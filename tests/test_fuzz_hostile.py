@@ -369,7 +369,7 @@ def test_fuzz_cli_simulate_sizes(tmp_path_factory, tiny_trace, gpu, cpu, swap, c
 
 
 PATH_KINDS = ["fresh", "existing", "folder", "missing folder", "under a file", "the input", "the other output",
-              "no extension", "unknown extension", "empty", "trailing slash", "device"]
+              "no extension", "unknown extension", "empty", "trailing slash", "device", "NUL byte"]
 
 
 @settings(max_examples=80, **FUZZ)
@@ -389,7 +389,7 @@ def test_fuzz_cli_output_paths(tmp_path_factory, json_kind, plot_kind):
                 "under a file": str(folder / "a-file" / f"x{suffix}"), "the input": str(config),
                 "the other output": str(folder / "same.png"), "no extension": str(folder / "plot"),
                 "unknown extension": str(folder / "x.docx"), "empty": "", "trailing slash": str(folder / "t") + "/",
-                "device": os.devnull}[kind]
+                "device": os.devnull, "NUL byte": str(folder / "a\0b.json")}[kind]
 
     argv = ["cost", "--model", str(config), "--contexts", "8K", "--json", path(json_kind, ".json")]
     if plot_kind is not None:
