@@ -12,7 +12,8 @@ over). GB/s counts the payload once: ``tokens * 72 * 2 KiB / time``.
 - GPU: device -> pinned and pinned -> device, with the fraction of the ``cudaMemcpy`` peak
   measured between the same buffers (per-layer contiguous copies of the same byte count). Goal:
   at least 80% for 1,024-token chunks. Also the swap-buffer exchange with one and two chunks of
-  buffer (the second lets the two directions overlap).
+  buffer (the second lets the two directions overlap), 64-token blocks moved by the copy engines or
+  by the kernel, and an exchange issued while compute runs (how much of it is hidden).
 
 Run: ``python -m pytest microbench/bench_kv_swap.py --benchmark-json out.json``.
 """
@@ -30,7 +31,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from penelope.kernels.kv_swap import copy_kv_slots, exchange_kv, naive_copy_kv_slots  # noqa: E402
+from penelope.kernels.kv_swap import copy_kv_slots, naive_copy_kv_slots, plan_exchange, run_exchange  # noqa: E402
 from penelope.kernels.kv_swap import kernel as kv_kernel  # noqa: E402
 
 SHAPES = {
@@ -204,18 +205,22 @@ def test_gpu_copy(benchmark, gpu_pools, direction, provider):
 
 
 @requires_cuda
+@pytest.mark.parametrize("min_run", [64, None], ids=["runs-by-copy-engine", "kernel-only"])
 @pytest.mark.parametrize("buffer_chunks", [1, 2])
-def test_gpu_exchange(benchmark, gpu_pools, buffer_chunks):
-    """Exchange 4,096 tokens each way through a 1,024-token buffer, in chunks of 1,024 / buffer_chunks."""
+def test_gpu_exchange(benchmark, gpu_pools, buffer_chunks, min_run):
+    """Exchange 4,096 tokens each way through a 1,024-token buffer, in chunks of 1,024 / buffer_chunks;
+    64-token blocks moved by the copy engines (one cudaMemcpyAsync per block and buffer) or every
+    row by the slot-copy kernel."""
     device, shape, gpu, host, peaks = gpu_pools
     tokens = 4 * CHUNK_TOKENS
     out_gpu = block_slots(GPU_POOL_TOKENS, tokens, seed=5)
     host_blocks = block_slots(GPU_POOL_TOKENS, tokens + CHUNK_TOKENS, seed=6)
     in_host, buffer = host_blocks[:tokens], host_blocks[tokens:]
     chunk = CHUNK_TOKENS // buffer_chunks
+    plan = plan_exchange(out_gpu, in_host, buffer, chunk)
 
     def run():
-        exchange_kv(gpu, host, out_gpu, in_host, buffer, chunk_size=chunk)
+        run_exchange(plan, gpu, host, min_run=min_run)
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
@@ -227,8 +232,49 @@ def test_gpu_exchange(benchmark, gpu_pools, buffer_chunks):
         tokens_each_way=tokens,
         buffer_tokens=CHUNK_TOKENS,
         chunk_tokens=chunk,
+        min_run=min_run,
         payload_bytes_both_ways=payload,
         gbps_both_ways=gbps,
         memcpy_peak_gbps_d2h=peaks["d2h"],
         memcpy_peak_gbps_h2d=peaks["h2d"],
+        fraction_of_memcpy_peak=gbps / (peaks["d2h"] + peaks["h2d"]),
+        goal_fraction=0.8,
+    )
+
+
+@requires_cuda
+def test_gpu_exchange_overlaps_compute(benchmark, gpu_pools):
+    """An exchange issued while compute runs (bf16 matmuls standing in for a prefill): the time of
+    both against each alone. ``overlap_fraction`` 1.0: the copies were hidden entirely."""
+    device, shape, gpu, host, peaks = gpu_pools
+    tokens = CHUNK_TOKENS
+    out_gpu = block_slots(GPU_POOL_TOKENS, tokens, seed=7)
+    host_blocks = block_slots(GPU_POOL_TOKENS, 2 * tokens, seed=8)
+    plan = plan_exchange(out_gpu, host_blocks[:tokens], host_blocks[tokens:])
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def compute():
+        for _ in range(4):
+            a @ a
+
+    def exchange():
+        run_exchange(plan, gpu, host, wait=False).wait_all()
+
+    def both():
+        compute()
+        exchange()
+        compute()
+
+    t_compute = 2 * _cuda_seconds(compute)
+    t_exchange = _cuda_seconds(exchange)
+    t_both = _cuda_seconds(both)
+    benchmark.pedantic(lambda: (both(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
+    hidden = t_compute + t_exchange - t_both
+    payload = 2 * tokens * len(gpu) * _row_bytes(shape)
+    benchmark.extra_info.update(_environment(device))
+    benchmark.extra_info.update(
+        shape=shape, tokens_each_way=tokens, payload_bytes_both_ways=payload,
+        compute_s=t_compute, exchange_s=t_exchange, both_s=t_both,
+        gbps_both_ways_alone=payload / t_exchange / 1e9,
+        overlap_fraction=hidden / min(t_compute, t_exchange),
     )

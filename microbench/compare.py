@@ -5,8 +5,9 @@ compared are the figures each benchmark records in ``extra_info``:
 
 - exact figures: work counts that must not change unless the work itself changed. A key is exact
   when its name ends in ``_exact``, or when its value is an integer and its name matches one of
-  ``EXACT_PATTERNS`` (``*_pairs``, ``tile_pairs_*``, ``*_bytes``, ``*_tiles``). Any difference is
-  a regression.
+  ``EXACT_PATTERNS`` (``*_pairs``, ``tile_pairs_*``, ``*_bytes``, ``*_tiles``, and the compile
+  report's ``registers`` and ``*mma_instructions``; its spill and shared-memory figures end in
+  ``_bytes``). Any difference is a regression.
 - ratio figures: ratios of times measured in the same run (speedups, throughput against a
   baseline provider, efficiencies), which cancel most of the machine's drift. A key is a ratio
   when its name matches ``RATIO_PATTERNS`` (``ratio``, ``*_ratio``, ``ratio_*``, ``*_ratio_*``,
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BASELINES = Path(__file__).resolve().parent / "baselines"
-EXACT_PATTERNS = ("*_pairs", "tile_pairs_*", "*_bytes", "*_tiles")
+EXACT_PATTERNS = ("*_pairs", "tile_pairs_*", "*_bytes", "*_tiles", "registers", "*mma_instructions")
 RATIO_PATTERNS = ("ratio", "*_ratio", "ratio_*", "*_ratio_*", "*speedup*", "*efficiency*", "fraction_of_*")
 LOWER_IS_BETTER = ("*bytes_ratio*",)
 DEFAULT_THRESHOLD = 0.15

@@ -318,7 +318,8 @@ class HostTier:
             return EvictResult(0, _EMPTY, [])
         before = self.free_size()
         released = self._make_gpu_room(before + n)
-        return EvictResult(self.free_size() - before, _cat(released.gpu_slots), released.ranges)
+        hashes = np.concatenate(released.hashes) if released.hashes else np.empty(0, dtype=np.uint64)
+        return EvictResult(self.free_size() - before, _cat(released.gpu_slots), released.ranges, hashes)
 
     def _make_gpu_room(self, n: int) -> Released:
         """Demote or delete until at least `n` GPU slots are free; the cache's own order."""

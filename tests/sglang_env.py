@@ -59,7 +59,7 @@ class Serving:
 
     def __init__(self, size: int, page_size: int = 1, rows: int = 16, max_context: int = 4096,
                  policy: str = "penelope", phantoms: bool = True, block_size: int | None = 64,
-                 events: bool = False):
+                 events: bool = False, cpu_cache: int = 0, swap_buffer: int = 1024):
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu",
                                        enable_memory_saver=False)
@@ -73,8 +73,8 @@ class Serving:
         params = CacheInitParams(disable=False, req_to_token_pool=self.req_pool,
                                  token_to_kv_pool_allocator=self.allocator, page_size=page_size,
                                  enable_kv_cache_events=events)
-        self.cache = PenelopeRadixCache(params, PenelopeOptions(policy=policy, block_size=block_size),
-                                        phantoms=phantoms)
+        options = PenelopeOptions(policy=policy, block_size=block_size, cpu_cache=cpu_cache, swap_buffer=swap_buffer)
+        self.cache = PenelopeRadixCache(params, options, phantoms=phantoms)
         self.total = self.allocator.size // page_size * page_size
         self.running: list[Req] = []
         self.rows_held: list[Req] = []
@@ -96,6 +96,7 @@ class Serving:
         for tokens in token_lists:
             req = self.new_request(tokens)
             req.init_next_round_input(self.cache)
+            assert self.cache.load_for(req), "the GPU cannot take the request's CPU spans"
             self.cache.plan_admission(req, chunk, rows)
             rows -= 1 + len(self.cache.rider_holes(req))
             req.extend_end = len(req.full_untruncated_fill_ids)
@@ -183,14 +184,18 @@ class Serving:
         assert not len(bad), f"{req.rid}: position {int(bad[0])} holds {got[bad[0]].tolist()}"
 
     def check_tree_kv(self) -> None:
-        """Every GPU block in the tree holds the KV of its tokens at its positions."""
-        keys = self.kv_pool.k_buffer[0]
+        """Every resident block in the tree holds the KV of its tokens at its positions: GPU blocks
+        in SGLang's pool, CPU blocks in the CPU tier's host pool."""
+        pools = {BlockState.GPU: self.kv_pool.k_buffer[0]}
+        if self.cache.host_kv is not None:
+            pools[BlockState.CPU] = self.cache.host_kv.host[0]
         bs = self.cache.block_size
         for node in self.cache.cache.tree.nodes():
-            for block in np.flatnonzero(node.state == BlockState.GPU):
-                first = block * bs
-                slots = torch.from_numpy(node.slots[first:first + bs])
-                want_tokens = torch.from_numpy(node.tokens[first:first + bs].astype(np.float32))
-                want_pos = torch.arange(node.start + first, node.start + first + bs, dtype=torch.float32)
-                assert torch.equal(keys[slots, 0, 0], want_tokens), f"token mismatch in {node}"
-                assert torch.equal(keys[slots, 0, 1], want_pos), f"position mismatch in {node}"
+            for state, keys in pools.items():
+                for block in np.flatnonzero(node.state == state):
+                    first = block * bs
+                    slots = torch.from_numpy(node.slots[first:first + bs].astype(np.int64))
+                    want_tokens = torch.from_numpy(node.tokens[first:first + bs].astype(np.float32))
+                    want_pos = torch.arange(node.start + first, node.start + first + bs, dtype=torch.float32)
+                    assert torch.equal(keys[slots, 0, 0], want_tokens), f"token mismatch in {node} ({state.name})"
+                    assert torch.equal(keys[slots, 0, 1], want_pos), f"position mismatch in {node} ({state.name})"

@@ -23,7 +23,7 @@ from penelope.kernels.ragged_attention import (  # noqa: E402
     ragged_prefill_attention,
     store_kv,
 )
-from penelope.kernels.ragged_attention.kernel import _launch_ragged_prefill, _query_tiles  # noqa: E402
+from penelope.kernels.ragged_attention.kernel import _ragged_prefill_fwd_kernel, ragged_launch  # noqa: E402
 
 # One tolerance table per dtype: outputs (rounded to the dtype) and LSE (always fp32).
 # fp16 loses most in P cast to fp16 for the P @ V dot; bf16 runs fp32 dots under the interpreter
@@ -133,6 +133,42 @@ def test_group_not_power_of_two_and_odd_head_dim():
     assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("group", [1, 3, 5, 6, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gqa_groups_that_are_not_powers_of_two(group, dtype):
+    # Row 0 of PHANTOM_BATCH has a hole at position 0; outputs start as NaN (run_kernel).
+    batch = make_batch(PHANTOM_BATCH, 2 * group, 2, 64, dtype, seed=50 + group, order_seed=group)
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("target", ["interpreter", "sm_80", "sm_90a", "sm_100a"])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+def test_tile_rows_waste_less_than_one_group(target, group):
+    """A tile holds block_m positions x group heads in a power-of-two number of rows, with fewer
+    than `group` rows of padding (a group of 5 in 128 rows: 25 positions, 3 rows unused)."""
+    for head_dim in (64, 128, 256):
+        for dtype in (None, torch.float32):
+            blocks = ragged_attention_blocks(head_dim, group, target, dtype)
+            assert blocks.rows & (blocks.rows - 1) == 0
+            assert blocks.rows - group < blocks.block_m * group <= blocks.rows
+
+
+def test_fp32_inputs_get_their_own_small_tiles_on_gpu_targets():
+    # Every 16-bit tile shape spills with fp32 operands (compile report); the interpreter's are small.
+    assert ragged_attention_blocks(128, 4, "sm_90a", torch.float32) == (8, 16, 32, 8, 1)
+    assert ragged_attention_blocks(128, 4, "sm_90a", torch.bfloat16) == ragged_attention_blocks(128, 4, "sm_90a")
+    assert ragged_attention_blocks(128, 4, "interpreter", torch.float32) == ragged_attention_blocks(128, 4,
+                                                                                                    "interpreter")
+
+
+@pytest.mark.parametrize("group", [3, 5, 6, 7])
+def test_work_efficiency_of_groups_that_are_not_powers_of_two(group):
+    # A 4K-token segment after 8K cached tokens, Hopper tiles: few score elements wasted (padding a
+    # group of 5 to 8 would cap the efficiency at 5 / 8).
+    work = ragged_attention_work([[0, 0, 8192, 4096]], 8 * group, 8, 128)
+    assert work.efficiency >= 0.95
+
+
 def test_several_requests_with_several_holes_random_layouts():
     gen = torch.Generator().manual_seed(7)
     for trial in range(3):
@@ -166,10 +202,11 @@ def test_empty_segments_and_empty_batch():
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+@pytest.mark.parametrize("group", [4, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_batch_invariance(dtype):
+def test_batch_invariance(dtype, group):
     """A segment's rows are bitwise identical alone and inside a larger batch."""
-    big = make_batch(PHANTOM_BATCH, 8, 2, 64, dtype, seed=11, order_seed=4)
+    big = make_batch(PHANTOM_BATCH, 2 * group, 2, 64, dtype, seed=11, order_seed=4)
     out, lse = run_kernel(big)
     for row, q_start, pos_start, length in big["segments"].tolist():
         alone = dict(big, q=big["q"][q_start : q_start + length],
@@ -247,15 +284,17 @@ def test_matches_sglang_extend_attention(dtype):
 
 def test_work_counter_matches_kernel_loops():
     batch = make_batch(PHANTOM_BATCH, 8, 2, 64, torch.float32, seed=19)
-    blocks = ragged_attention_blocks(64, 4, interpreted=True)
+    blocks = ragged_attention_blocks(64, 4, "interpreter")
     segs = batch["segments"].numpy().astype("int64")
     work = ragged_attention_work(batch["segments"], 8, 2, 64, elem_bytes=4,
                                  block_m=blocks.block_m, block_n=blocks.block_n)
     counts = torch.zeros(work.query_tiles * 2, 2, dtype=torch.int32)
     out = torch.empty_like(batch["q"])
-    tiles = _query_tiles(segs, blocks, out.device)
-    _launch_ragged_prefill(batch["q"], batch["k_buffer"], batch["v_buffer"], batch["req_to_token"], tiles,
-                           0.125, out, None, blocks, work=counts)
+    plan = plan_for(batch)
+    grid, args, kwargs = ragged_launch(batch["q"], batch["k_buffer"], batch["v_buffer"], batch["req_to_token"],
+                                       plan.tiles, plan.status.value, 0.125, out, None, blocks, "interpreter",
+                                       work=counts)
+    _ragged_prefill_fwd_kernel[grid](*args, **kwargs)
     assert int(counts[:, 0].sum()) == work.tile_pairs_visited
     assert int(counts[:, 1].sum()) == work.tile_pairs_masked
     # The loop stops exactly where causality does: every visited tile pair is needed.
@@ -458,7 +497,7 @@ def test_engine_plans_once_per_batch_not_per_layer(monkeypatch):
     """Through a 3-layer engine forward on the "triton" backend, the kernel's batch checks and
     tile construction run once; a backend without a plan runs them in every layer, with bitwise
     the same logits."""
-    calls = {"check_batch": 0, "_query_tiles": 0}
+    calls = {"check_segments": 0, "build_query_tiles": 0}
     for name in calls:
         original = getattr(kernel, name)
 
@@ -479,7 +518,7 @@ def test_engine_plans_once_per_batch_not_per_layer(monkeypatch):
             calls[name] = 0
         model = Qwen3Decoder(config, weights, attention=backend)
         logits[backend.name] = model(EngineBatch.single_segment(tokens, torch.arange(40)), KVPool(config, 64))
-        assert calls == {"check_batch": expected_calls, "_query_tiles": expected_calls}
+        assert calls == {"check_segments": expected_calls, "build_query_tiles": expected_calls}
     assert torch.equal(logits["triton"], logits["triton-unplanned"])
 
 

@@ -72,15 +72,43 @@ def test_chunks_smaller_than_holes_and_an_abort_mid_prefill(model, reference):
     counters = check_against(run, reference)
     assert counters["evicted_tokens"] > 0 and counters["chunk_refill_tokens"] > 0
     [aborted] = [r for r in run["requests"] if r["rid"] == "aborted"]
+    # Aborted while it was SGLang's chunked request, between two of its chunks.
+    assert aborted["aborted_mid_prefill"]
     assert aborted["finish"] == "abort" and aborted["output_ids"] == []
 
 
-def test_phantoms_ride_in_the_requests_batch(model, reference):
+@pytest.fixture(scope="module")
+def riders(model) -> dict:
+    """GPU only, chunks as large as the pool."""
+    return run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=2048), engine_env())
+
+
+def test_phantoms_ride_in_the_requests_batch(riders, reference):
     """With chunks as large as the pool, every hole is refilled by a phantom in its request's
     batch, on SGLang's own torch attention backend."""
-    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=2048), engine_env())
-    counters = check_against(run, reference)
+    counters = check_against(riders, reference)
     assert counters["phantoms"] > 0 and counters["phantom_tokens"] == counters["rider_tokens"] > 0
+
+
+def test_two_tiers(model, reference, riders):
+    """A CPU tier of 1024 tokens beside the 2048-token pool: demotions instead of deletions, loads
+    at admission (through the swap buffer when both tiers are full) in the same step as phantoms
+    for what neither tier holds; fewer tokens recomputed than without the tier."""
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=2048, cpu_cache=1024), engine_env())
+    counters = check_against(run, reference)
+    assert counters["host_tokens"] == 1024 and counters["tier_demotions"] > 0
+    assert counters["tier_loads"] > 0 and counters["tier_swap_loads"] > 0 and counters["phantom_tokens"] > 0
+    assert counters["prefill_tokens"] < riders["counters"]["prefill_tokens"]
+
+
+def test_two_tiers_with_hole_chunks_and_the_swap_copy_kernel(model, reference):
+    """The same with chunks smaller than the holes, and the tier's copies run by Penelope's
+    Triton swap-copy kernel (interpreted on CPU)."""
+    env = engine_env(PENELOPE_COPY="triton", TRITON_INTERPRET="1")
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=128, cpu_cache=1024), env)
+    counters = check_against(run, reference)
+    assert counters["tier_copy"] == "triton"
+    assert counters["tier_loads"] > 0 and counters["tier_swap_loads"] > 0 and counters["chunk_refill_tokens"] > 0
 
 
 def test_request_rows_run_out(model, reference):
@@ -126,6 +154,18 @@ def test_default_cache_on_the_same_traffic(model, reference):
     assert "evicted_tokens" not in counters
 
 
+def test_rows_taken_by_riders_make_a_request_wait(model):
+    """Two request rows: a request with a hole (one rider) and a fresh request in one call. The
+    rider takes the row SGLang counted for the fresh request, which waits a step (this crashed
+    SGLang's allocator before)."""
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "engine_rows_probe.py"), model],
+                         env={**os.environ, **engine_env(SGLANG_USE_CPU_ENGINE="1")}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["finished"] == ["length", "length"] and report["phantoms"] == 1
+
+
 def test_penelope_verify_engine_sglang(tmp_path):
     """The user's command: two Engines (Penelope on a small and on a never-evicting pool), JSON
     out, exit 0 when they agree."""
@@ -145,6 +185,12 @@ def test_penelope_verify_engine_sglang(tmp_path):
     ([], {"PENELOPE_BLOCK_SIZE": "many"}, "penelope: PENELOPE_BLOCK_SIZE must be an integer, got 'many'"),
     (["--page-size", "64", "--radix-eviction-policy-config", '{"block_size": 96}'], {},
      "penelope: block_size 96 is not a multiple of SGLang's page size 64"),
+    (["--radix-eviction-policy-config", '{"cpu_cache": 10000000000000}'], {}, "penelope: the CPU tier needs"),
+    ([], {"PENELOPE_CPU_CACHE": "-5"}, "penelope: cpu_cache must be a non-negative integer"),
+    (["--enable-streaming-session"], {}, "penelope: --radix-cache-backend penelope does not support --enable-stre"),
+    (["--radix-eviction-policy", "lfu"], {}, "penelope: --radix-eviction-policy lfu applies to SGLang's own"),
+    (["--max-total-tokens", "4096", "--radix-eviction-policy-config", '{"block_size": 8192}'], {},
+     "penelope: block_size 8192 is larger than the KV pool"),
 ])
 def test_a_bad_configuration_stops_the_server_with_one_line(model, args, env, message):
     """``python -m sglang.launch_server``: the error is the last line, there is no traceback, and

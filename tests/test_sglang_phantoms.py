@@ -169,3 +169,22 @@ def test_result_processing_frees_only_the_phantoms_rows_and_counts_them(holed):
     assert hooks.COUNTERS["phantom_tokens"] - before["phantom_tokens"] == 128
     assert hooks.COUNTERS["prefill_tokens"] - before["prefill_tokens"] == 128 + len(tokens) - 512
     serving.check_row(req)
+
+
+def test_a_request_gets_no_row_its_predecessors_riders_took(budget_hooks):
+    serving = Serving(size=64 * 40, page_size=64, rows=2)
+    system = blocks(1000, 2)
+    a = system + blocks(1, 6)
+    serving.prefill([a + [7]])
+    serving.prefill([system + blocks(5000, 6) + [8]])
+    serving.cache.evict(EvictParams(num_tokens=128))
+    adder = new_adder(serving)
+    holed, result = admit(serving, adder, a + [9])
+    assert result == AddReqResult.CONTINUE and serving.cache.rider_holes(holed) == [(128, 256)]
+    other, result = admit(serving, adder, system + [5])
+    assert result == AddReqResult.OTHER and adder.can_run_list == [holed]
+    batch = serving.build_batch(adder.can_run_list)
+    serving.forward(batch)
+    serving.check_row(holed)
+    serving.finish(batch)
+    assert serving.accounting()[0] == serving.total

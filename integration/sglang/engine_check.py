@@ -76,8 +76,8 @@ class AgentTraffic:
 @dataclass(frozen=True)
 class EngineSetup:
     """How the Engine runs: KV pool tokens, page size, chunked prefill (-1: off), request rows,
-    the radix cache (``penelope`` or SGLang's ``default``), Penelope's policy, dtype and device.
-    `extra`: more ``sglang.Engine`` arguments."""
+    the radix cache (``penelope`` or SGLang's ``default``), Penelope's policy and CPU tier
+    (`cpu_cache` tokens, 0: GPU only), dtype and device. `extra`: more ``sglang.Engine`` arguments."""
 
     pool_tokens: int
     page_size: int = 64
@@ -85,6 +85,7 @@ class EngineSetup:
     rows: int = 8
     cache: str = "penelope"
     policy: str = "penelope"
+    cpu_cache: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict = field(default_factory=dict)
@@ -96,6 +97,9 @@ class EngineSetup:
             raise UsageError(f"bad engine setup: pool {self.pool_tokens}, page {self.page_size}, rows {self.rows}")
         if self.chunk != -1 and self.chunk < self.page_size:
             raise UsageError(f"chunk must be -1 (off) or at least one page, got {self.chunk}")
+        if self.cpu_cache < 0 or (self.cpu_cache and self.cache != "penelope"):
+            raise UsageError(f"cpu_cache must be >= 0 and is Penelope's CPU tier, got {self.cpu_cache} "
+                             f"with the {self.cache} cache")
 
     def engine_args(self, model: str) -> dict:
         args = dict(model_path=model, skip_tokenizer_init=True, dtype=self.dtype, device=self.device,
@@ -106,7 +110,7 @@ class EngineSetup:
             args.update(attention_backend="torch_native", disable_cuda_graph=True)
         if self.cache == "penelope":
             args.update(radix_cache_backend="penelope",
-                        radix_eviction_policy_config={"policy": self.policy})
+                        radix_eviction_policy_config={"policy": self.policy, "cpu_cache": self.cpu_cache})
         args.update(self.extra)
         return args
 
@@ -141,13 +145,22 @@ async def _session(engine, index: int, history: list[int], growth, traffic: Agen
 
 
 async def _aborted(engine, prompt: list[int], after: float, out: list) -> None:
+    """Send a long request and abort it once the scheduler is prefilling it chunk by chunk (it is
+    SGLang's chunked request), or after `after` seconds more if that is never seen."""
     rid = "aborted"
     task = asyncio.ensure_future(engine.async_generate(
         input_ids=prompt, rid=rid, sampling_params={"temperature": 0, "max_new_tokens": 4}))
-    await asyncio.sleep(after)
+    mid_prefill = False
+    deadline = time.perf_counter() + 30
+    while not mid_prefill and time.perf_counter() < deadline and not task.done():
+        await asyncio.sleep(0.005)
+        counters = (await engine.tokenizer_manager.get_internal_state())[0].get("penelope") or {}
+        mid_prefill = counters.get("chunked_rid") == rid
+    if not mid_prefill:
+        await asyncio.sleep(after)
     engine.tokenizer_manager.abort_request(rid)
     reply = await task
-    out.append(_record(rid, len(prompt), reply))
+    out.append({**_record(rid, len(prompt), reply), "aborted_mid_prefill": mid_prefill})
 
 
 def _record(rid: str, prompt_len: int, reply: dict) -> dict:
@@ -169,6 +182,7 @@ def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: 
     ready = time.perf_counter()
     firsts, growth, aborted, probes = traffic_tokens(traffic)
     out: list[dict] = []
+    idle = _counters(engine)
 
     async def serve():
         tasks = [_session(engine, i, list(first), growth[i], traffic, out) for i, first in enumerate(firsts)]
@@ -184,11 +198,21 @@ def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: 
     try:
         engine.loop.run_until_complete(asyncio.wait_for(serve(), timeout))
         served = time.perf_counter()
-        states = engine.get_server_info().get("internal_states") or [{}]
+        counters = _counters(engine)
     finally:
         engine.shutdown()
+    if counters is not None and idle is not None:
+        # CPU seconds the scheduler process spent serving: unlike wall time, not stretched by
+        # other work on a shared machine.
+        counters["serve_cpu_s"] = counters["process_cpu_s"] - idle["process_cpu_s"]
     return {"setup": asdict(setup), "traffic": asdict(traffic), "start_s": ready - started, "serve_s": served - ready,
-            "requests": sorted(out, key=lambda r: r["rid"]), "counters": states[0].get("penelope")}
+            "requests": sorted(out, key=lambda r: r["rid"]), "counters": counters}
+
+
+def _counters(engine) -> dict | None:
+    """The scheduler's ``penelope`` counters (``hooks.COUNTERS``), None without the plugin."""
+    states = engine.get_server_info().get("internal_states") or [{}]
+    return states[0].get("penelope")
 
 
 def main(argv: list[str] | None = None) -> int:

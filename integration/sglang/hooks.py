@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import torch
 from sglang.srt.managers.schedule_batch import BaseFinishReason, Req
@@ -114,7 +115,14 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
     cache = adder.tree_cache
     if not isinstance(cache, PenelopeRadixCache):
         return original(adder, req, has_chunked_req, truncation_align_size)
-    plan = cache.plan_admission(req, adder.rem_chunk_tokens, free_rows_for(adder))
+    rows = free_rows_for(adder)
+    if rows < 1 and req.kv.req_pool_idx is None:
+        # Riders took the rows SGLang counted on: this request gets none this step.
+        return AddReqResult.OTHER
+    if not cache.load_for(req):
+        # Its CPU spans cannot come back to the GPU now: too much KV is locked.
+        return AddReqResult.NO_TOKEN
+    plan = cache.plan_admission(req, adder.rem_chunk_tokens, rows)
     if has_chunked_req and adder.rem_chunk_tokens is not None and (
             (plan is not None and plan.hole_first) or _chunk_need(adder, req, cache) > adder.rem_chunk_tokens):
         # A chunked request continues past this step and SGLang tracks one at a time. Its chunk
@@ -200,13 +208,13 @@ def _attach_segments(original, cls, batch, model_runner, **kwargs):
     forward_batch = original(cls, batch, model_runner, **kwargs)
     # SGLang hands copies of its batches around: look at the requests, not at batch attributes.
     if batch.forward_mode.is_extend_without_speculative() and any(map(is_phantom, batch.reqs)):
-        setattr(forward_batch, SEGMENTS, extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens,
-                                                         batch.req_to_token_pool.req_to_token.device))
+        # A host tensor: the ragged kernel plans from it without waiting for the GPU.
+        setattr(forward_batch, SEGMENTS, extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens, "cpu"))
     return forward_batch
 
 
-def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
-    """int32 [len(reqs), 4] rows (req_row, q_start, pos_start, length) of an extend batch."""
+def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device="cpu") -> torch.Tensor:
+    """int32 [len(reqs), 4] rows (req_row, q_start, pos_start, length) of an extend batch, on `device`."""
     rows, start = [], 0
     for req, prefix, length in zip(reqs, prefix_lens, extend_lens, strict=True):
         rows.append((req.kv.req_pool_idx, start, prefix, length))
@@ -240,8 +248,12 @@ def _report_counters(original, controller, recv_req):
     out = original(controller, recv_req)
     state = getattr(out, "internal_state", None)
     if isinstance(state, dict):
-        cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
-        state["penelope"] = {**COUNTERS, **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
+        scheduler = getattr(controller, "scheduler", None)
+        cache = getattr(scheduler, "tree_cache", None)
+        chunked = getattr(scheduler, "chunked_req", None)
+        state["penelope"] = {**COUNTERS, "process_cpu_s": time.process_time(),
+                             "chunked_rid": chunked.rid if chunked is not None else None,
+                             **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
     return out
 
 

@@ -38,9 +38,11 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "penelope"
 ATTENTION_MODES = ("ragged", "sglang")
+COPY_MODES = ("auto", "triton", "naive")
 _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
-        "attention": "PENELOPE_ATTENTION"}
+        "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY"}
+_INTEGERS = ("block_size", "swap_buffer", "cpu_cache")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
@@ -49,9 +51,10 @@ _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 class PenelopeOptions:
     """Options of the ``penelope`` backend, validated on construction (UsageError, one line).
 
-    `block_size` None means one SGLang page; sizes are in tokens. `swap_buffer` sizes the CPU swap
-    buffer of the two-tier cache, which this integration does not build yet: it is validated and
-    kept for when it does.
+    `block_size` None means one SGLang page; sizes are in tokens. `cpu_cache`: tokens of a CPU
+    tier (0: GPU only, unless SGLang's ``--hicache-size`` / ``--hicache-ratio`` size one);
+    `swap_buffer`: its reserved host rows for exchanges. `copy`: how tier moves copy K/V ("auto":
+    the swap-copy kernel on a GPU, torch's indexed copy on CPU).
     """
 
     policy: str = "penelope"
@@ -59,6 +62,8 @@ class PenelopeOptions:
     swap_buffer: int = 1024
     phantoms: bool = True
     attention: str = "ragged"
+    cpu_cache: int = 0
+    copy: str = "auto"
 
     def __post_init__(self):
         known = policy_names(aliases=True)
@@ -67,14 +72,21 @@ class PenelopeOptions:
         if self.block_size is not None:
             _positive(self.block_size, "block_size")
         _positive(self.swap_buffer, "swap_buffer")
-        if self.block_size is not None and self.swap_buffer < self.block_size:
-            raise UsageError(f"penelope: swap_buffer {self.swap_buffer} is smaller than one block "
-                             f"of {self.block_size} tokens")
         if not isinstance(self.phantoms, bool):
             raise UsageError(f"penelope: phantoms must be true or false, got {self.phantoms!r}")
         if self.attention not in ATTENTION_MODES:
             raise UsageError(f"penelope: attention must be one of {', '.join(ATTENTION_MODES)}, "
                              f"got {self.attention!r}")
+        if isinstance(self.cpu_cache, bool) or not isinstance(self.cpu_cache, numbers.Integral) or self.cpu_cache < 0:
+            raise UsageError(f"penelope: cpu_cache must be a non-negative integer (tokens), got {self.cpu_cache!r}")
+        if self.cpu_cache and self.block_size is not None:
+            for name in ("cpu_cache", "swap_buffer"):
+                if getattr(self, name) < self.block_size:
+                    raise UsageError(f"penelope: {name} {getattr(self, name)} is smaller than one block of "
+                                     f"{self.block_size} tokens" + (" (0 turns the CPU tier off)"
+                                                                    if name == "cpu_cache" else ""))
+        if self.copy not in COPY_MODES:
+            raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 
     def resolved_block_size(self, page_size: int) -> int:
         """Block size in tokens for SGLang's `page_size`: blocks must hold whole pages, because
@@ -88,29 +100,38 @@ class PenelopeOptions:
 
 
 def options_from(config: Mapping | None = None, environ: Mapping[str, str] | None = None) -> PenelopeOptions:
-    """Options from the ``--radix-eviction-policy-config`` object and the environment.
+    """Options from the ``--radix-eviction-policy-config`` object and the environment; a JSON key
+    wins over its variable (a variable is not even read then).
 
     Raises UsageError naming the offending key or variable."""
     environ = os.environ if environ is None else environ
-    values: dict = {}
-    for name, variable in _ENV.items():
-        if variable in environ:
-            values[name] = _parse_env(name, variable, environ[variable])
     if isinstance(config, str):
         # The CLI parses the flag's JSON; the Python Engine API passes what it was given.
         try:
             config = json.loads(config)
         except json.JSONDecodeError as error:
             raise UsageError(f"penelope: --radix-eviction-policy-config is not valid JSON ({error})") from None
+    values: dict = {}
     if config is not None:
         if not isinstance(config, Mapping):
             raise UsageError(f"penelope: --radix-eviction-policy-config must be a JSON object, got {config!r}")
         known = [f.name for f in fields(PenelopeOptions)]
         for key, value in config.items():
+            if key == "attention":
+                raise UsageError("penelope: attention is chosen when the plugin loads, before this config is "
+                                 "read: set PENELOPE_ATTENTION instead")
             if key not in known:
                 raise UsageError(f"penelope: unknown key {key!r} in --radix-eviction-policy-config "
-                                 f"(known: {', '.join(known)})")
+                                 f"(known: {', '.join(k for k in known if k != 'attention')})")
             values[key] = value
+    for name, variable in _ENV.items():
+        if variable in environ and name not in values:
+            value = _parse_env(name, variable, environ[variable])
+            try:
+                PenelopeOptions(**{name: value})
+            except UsageError as error:
+                raise UsageError(f"{error} (from {variable})") from None
+            values[name] = value
     return PenelopeOptions(**values)
 
 
@@ -154,11 +175,41 @@ def check_server_args(server_args) -> None:
     options = options_from(server_args.radix_eviction_policy_config)
     for flag, on in (("--enable-hierarchical-cache", server_args.enable_hierarchical_cache),
                      ("--disable-radix-cache", server_args.disable_radix_cache),
-                     ("speculative decoding", server_args.speculative_algorithm is not None)):
+                     ("speculative decoding", server_args.speculative_algorithm is not None),
+                     ("--enable-streaming-session", getattr(server_args, "enable_streaming_session", False)),
+                     ("--enable-session-radix-cache", getattr(server_args, "enable_session_radix_cache", False)),
+                     ("pipeline parallelism", (getattr(server_args, "pp_size", 1) or 1) > 1),
+                     ("PD disaggregation", getattr(server_args, "disaggregation_mode", "null") not in (None, "null"))):
         if on:
             raise UsageError(f"penelope: --radix-cache-backend penelope does not support {flag}")
-    if server_args.page_size:
-        options.resolved_block_size(server_args.page_size)
+    policy = getattr(server_args, "radix_eviction_policy", "lru")
+    if policy not in (None, "lru"):
+        raise UsageError(f"penelope: --radix-eviction-policy {policy} applies to SGLang's own radix cache; choose "
+                         "Penelope's policy with --radix-eviction-policy-config '{\"policy\": ...}'")
+    page = server_args.page_size or 1
+    block = options.resolved_block_size(page)
+    pool = getattr(server_args, "max_total_tokens", None)
+    if pool and block > pool:
+        raise UsageError(f"penelope: block_size {block} is larger than the KV pool (--max-total-tokens {pool})")
+    _check_host_memory(options, server_args)
+
+
+def _check_host_memory(options: PenelopeOptions, server_args) -> None:
+    """The CPU tier (``cpu_cache`` tokens or ``--hicache-size`` GB) must fit the free host memory;
+    checked here from the model's config when it is a local checkpoint (the scheduler checks the
+    exact size again when it builds the pool)."""
+    from .host_tier import check_fits, estimated_bytes_per_token
+
+    size_gb = getattr(server_args, "hicache_size", 0) or 0
+    if not options.cpu_cache and size_gb <= 0:
+        return
+    if size_gb > 0 and not options.cpu_cache:
+        check_fits(1, int(size_gb * (1 << 30)))
+        return
+    per_token = estimated_bytes_per_token(str(server_args.model_path), str(server_args.dtype),
+                                          getattr(server_args, "tp_size", 1) or 1)
+    if per_token:
+        check_fits(options.cpu_cache + options.swap_buffer, per_token)
 
 
 def _check_server_args(original, server_args, *args, **kwargs):
@@ -192,7 +243,14 @@ def create_penelope_cache(ctx):
     if options.phantoms and not phantoms:
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
-    return PenelopeRadixCache(ctx.params, options, phantoms=phantoms)
+    server_args = getattr(ctx, "server_args", None)
+    try:
+        return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
+                                  hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
+                                  hicache_ratio=getattr(server_args, "hicache_ratio", None))
+    except UsageError as error:
+        message = str(error)
+        raise UsageError(message if message.startswith("penelope:") else f"penelope: {message}") from None
 
 
 def _positive(value, name: str) -> None:
@@ -202,11 +260,10 @@ def _positive(value, name: str) -> None:
 
 def _parse_env(name: str, variable: str, text: str):
     text = text.strip()
-    if name in ("block_size", "swap_buffer"):
-        try:
-            return int(text)
-        except ValueError:
-            raise UsageError(f"penelope: {variable} must be an integer, got {text!r}") from None
+    if name in _INTEGERS:
+        if not (text.isascii() and text.lstrip("-").isdigit()):
+            raise UsageError(f"penelope: {variable} must be an integer, got {text!r}")
+        return int(text)
     if name == "phantoms":
         if text.lower() in _TRUE:
             return True

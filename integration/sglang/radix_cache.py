@@ -50,11 +50,13 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from penelope.cache import KVCache
 from penelope.cache import MatchResult as PenelopeMatch
-from penelope.errors import InvariantError, UsageError
+from penelope.errors import CacheFullError, InvariantError, UsageError
 from penelope.refill import RefillPlan, next_chunk, plan_refill
+from penelope.tiers import TwoTierCache
 from penelope.tree import BlockState
 
 from .events import KVEvents
+from .host_tier import HostKV, host_tokens, kv_bytes_per_token
 from .plugin import PenelopeOptions
 from .slots import SGLangSlots
 
@@ -116,7 +118,7 @@ class PenelopeRadixCache(BasePrefixCache):
     sliding_window_size = None
 
     def __init__(self, params: CacheInitParams, options: PenelopeOptions | None = None,
-                 phantoms: bool | None = None):
+                 phantoms: bool | None = None, hicache_size_gb: float = 0, hicache_ratio: float | None = None):
         options = options if options is not None else PenelopeOptions()
         if params.is_eagle:
             raise UsageError("penelope: EAGLE speculative decoding (bigram keys) is not supported")
@@ -129,6 +131,13 @@ class PenelopeRadixCache(BasePrefixCache):
         self.block_size = options.resolved_block_size(self.page_size)
         self.slots = SGLangSlots(self.token_to_kv_pool_allocator)
         self.device = self.slots.device
+        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+        self.host_tokens = host_tokens(options.cpu_cache, hicache_size_gb, hicache_ratio, self.slots.capacity,
+                                       kv_bytes_per_token(kv_pool))
+        if self.host_tokens and self.host_tokens < self.block_size:
+            raise UsageError(f"penelope: a CPU tier of {self.host_tokens} tokens is smaller than one block "
+                             f"of {self.block_size} tokens")
+        self.host_kv = None
         self.kv_events = KVEvents(params, self.block_size)
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -144,8 +153,17 @@ class PenelopeRadixCache(BasePrefixCache):
     def reset(self):
         """Forget everything (SGLang clears its allocator alongside, e.g. on flush_cache)."""
         self.slots.reset()
-        self.cache = KVCache(self.slots.capacity, block_size=self.block_size, policy=self.options.policy,
-                             allocator=self.slots, track_recompute=False)
+        if self.host_tokens:
+            self.cache = TwoTierCache(self.slots.capacity, self.host_tokens, block_size=self.block_size,
+                                      policy=self.options.policy, swap_buffer=max(self.options.swap_buffer,
+                                                                                  self.block_size),
+                                      allocator=self.slots, track_recompute=False)
+            if self.host_kv is None:
+                self.host_kv = HostKV(self.token_to_kv_pool_allocator.get_kvcache(), self.cache.host_rows,
+                                      self.options.copy)
+        else:
+            self.cache = KVCache(self.slots.capacity, block_size=self.block_size, policy=self.options.policy,
+                                 allocator=self.slots, track_recompute=False)
         self.root_node = MatchRef(None)
         self._empty = MatchResult(device_prefix_len=0, last_device_node=self.root_node,
                                   last_host_node=self.root_node, best_match_node=self.root_node)
@@ -263,12 +281,16 @@ class PenelopeRadixCache(BasePrefixCache):
             return EvictResult()
         start = time.perf_counter()
         result = self.cache.evict(params.num_tokens)
+        # Demotions copy the KV they move out before SGLang hands its slots to new requests.
+        self._run_plans()
         self.kv_events.removed(result.hashes)
         self.update_eviction_metrics(result.freed_tokens, start)
         return EvictResult(num_tokens_evicted=result.freed_tokens)
 
     def inc_lock_ref(self, node: MatchRef) -> IncLockRefResult:
         """Lock the matched root path of `node`; the receipt's ``node_id`` names the lock."""
+        if not isinstance(node, MatchRef):
+            raise UsageError(f"penelope: inc_lock_ref takes the node a match returned, got {node!r}")
         if self.disable or node.match is None:
             return IncLockRefResult(delta=0)
         before = self.cache.evictable_size()
@@ -278,11 +300,18 @@ class PenelopeRadixCache(BasePrefixCache):
         return IncLockRefResult(delta=self.cache.evictable_size() - before, node_id=lock_id)
 
     def dec_lock_ref(self, node: MatchRef, params: DecLockRefParams | None = None) -> DecLockRefResult:
-        """Release the lock named by the receipt (without one: the latest lock taken on `node`)."""
+        """Release the lock named by the receipt (without one: the latest lock taken on `node`).
+        A receipt whose lock was released already is refused: it must not release another
+        holder's lock on the same path."""
+        if not isinstance(node, MatchRef):
+            raise UsageError(f"penelope: dec_lock_ref takes the node a match returned, got {node!r}")
         if self.disable or node.match is None:
             return DecLockRefResult(delta=0)
-        lock_id = params.node_id if params is not None else None
-        if lock_id not in self._locks:
+        if params is not None and params.node_id is not None:
+            lock_id = params.node_id
+            if lock_id not in self._locks:
+                raise UsageError(f"penelope: the lock of receipt {lock_id} was released already")
+        else:
             lock_id = next((i for i in reversed(self._locks) if self._locks[i].node is node.match.handle), None)
         if lock_id is None:
             raise UsageError(f"penelope: no lock held on {node!r}")
@@ -317,6 +346,30 @@ class PenelopeRadixCache(BasePrefixCache):
             req.prefix_len = plan.compute_from
             req.kv.cache_protected_len = plan.compute_from
         return plan
+
+    def load_for(self, req) -> bool:
+        """With a CPU tier: bring the CPU spans of the request's match to the GPU before its
+        admission (demoting other KV in the policy's order, through the swap buffer when both tiers
+        are full), copies issued before anything can read the slots, then report its prefix anew.
+        False, changing nothing, when the GPU cannot take them now (too much KV locked)."""
+        ref = req.last_node
+        if (self.host_kv is None or not isinstance(ref, MatchRef) or ref.match is None or not ref.match.loads
+                or req.kv.req_pool_idx is not None):
+            return True
+        handle = self.cache.lock(self._fresh(ref))
+        try:
+            self.cache.load(handle)
+        except CacheFullError:
+            self.cache.unlock(handle, admitted=False)
+            return False
+        self._run_plans()
+        again = MatchRef(self.cache.match(self._tokens(ref.source, ref.n, ref.namespace)), ref.source, ref.n,
+                         ref.namespace, with_holes=self.phantoms and _phantom_eligible(req))
+        self.cache.unlock(handle, admitted=False)
+        req.last_node = req.last_host_node = req.best_match_node = again
+        req.prefix_len = again.prefix_len
+        req.kv.cache_protected_len = again.prefix_len
+        return True
 
     def rider_holes(self, req) -> list[tuple[int, int]]:
         """Holes of `req` that phantoms refill in its admission batch (empty once it holds a row)."""
@@ -396,7 +449,10 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def stats(self) -> dict:
         """Counters for ``get_server_info``: tokens the phantoms computed and the cache's sizes."""
-        return {"rider_tokens": self.rider_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
+        tiers = {**self.cache.counters.as_dict(), "copy": self.host_kv.executor.copy} if self.host_kv else {}
+        return {**{f"tier_{name}": value for name, value in tiers.items()},
+                "host_tokens": self.host_tokens,
+                "rider_tokens": self.rider_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
                 "duplicate_tokens": self.duplicate_tokens,
                 "evicted_tokens": self.cache.stats.evicted_tokens, "evict_calls": self.cache.stats.evict_calls,
                 "cached_tokens": self.total_size(), "block_size": self.block_size,
@@ -409,6 +465,11 @@ class PenelopeRadixCache(BasePrefixCache):
             print("  " * depth, node, node.tokens[:8].tolist())
         print(f"#tokens: {self.total_size()} (evictable {self.evictable_size()}, protected "
               f"{self.cache.protected_size()}, block {self.block_size}, policy {self.cache.policy.name})")
+
+    def _run_plans(self) -> None:
+        """Run the copies of the tier moves the cache just decided (CPU tier only)."""
+        if self.host_kv is not None:
+            self.host_kv.run(self.cache.take_plans())
 
     def _insert(self, tokens: np.ndarray, slots: np.ndarray, before: PenelopeMatch):
         """KVCache.insert, with KV events for the blocks that became resident."""

@@ -46,10 +46,10 @@ class EngineCheck:
             raise UsageError(f"atol must be a finite non-negative number, got {self.atol}")
 
     def reference(self) -> EngineSetup:
-        """The setup with a pool that holds the whole traffic (whole pages)."""
+        """The setup with a GPU pool that holds the whole traffic (whole pages), no CPU tier."""
         page = self.setup.page_size
         pool = max(self.setup.pool_tokens, -(-self.traffic.peak_tokens() // page) * page)
-        return replace(self.setup, pool_tokens=pool)
+        return replace(self.setup, pool_tokens=pool, cpu_cache=0)
 
 
 def run_engine(model: str, traffic: AgentTraffic, setup: EngineSetup, env: dict | None = None,
@@ -108,9 +108,13 @@ def check(model: str, spec: EngineCheck, timeout: float = 900, progress=None) ->
     say("penelope, never-evicting pool")
     reference = run_engine(model, spec.traffic, spec.reference(), spec.env, timeout)
     runs = {"penelope": small, "reference": reference}
+    if spec.setup.cpu_cache:
+        say("penelope, small pool without the CPU tier")
+        runs["gpu_only"] = run_engine(model, spec.traffic, replace(spec.setup, cpu_cache=0), spec.env, timeout)
     if spec.with_default:
         say("default radix cache, small pool")
-        runs["default"] = run_engine(model, spec.traffic, replace(spec.setup, cache="default"), spec.env, timeout)
+        runs["default"] = run_engine(model, spec.traffic, replace(spec.setup, cache="default", cpu_cache=0),
+                                     spec.env, timeout)
     baseline = reference["counters"]
     c_lin = _c_lin(model)
     report = {"traffic": asdict(spec.traffic), "setup": asdict(spec.setup), "env": spec.env, "atol": spec.atol,
@@ -125,6 +129,7 @@ def check(model: str, spec: EngineCheck, timeout: float = 900, progress=None) ->
             "phantom_tokens": counters.get("phantom_tokens"),
             "chunk_refill_tokens": counters.get("chunk_refill_tokens"),
             "duplicate_tokens": counters.get("duplicate_tokens"),
+            "tiers": {name[5:]: value for name, value in counters.items() if name.startswith("tier_")},
             "evicted_tokens": counters.get("evicted_tokens"), "start_s": round(run["start_s"], 1),
             "serve_s": round(run["serve_s"], 2),
             "aborted": [r["finish"] for r in run["requests"] if r["rid"] == ABORTED]}

@@ -12,15 +12,16 @@ Two parts, kept apart so the cache can plan without tensors:
 - ``plan_exchange`` (pure, numpy): the copy steps, their ordering constraints, the new host slot of
   every outgoing row and the new buffer slots.
 - ``run_exchange``: runs a plan on real pools with a copy function chosen by name (``"triton"``:
-  ``copy_kv_slots``'s kernel, ``"naive"``: the torch reference).
+  the stream schedule of ``schedule.py``, copy engines and the slot-copy kernel; ``"naive"``: the
+  torch reference).
 
 The buffer is a FIFO of host slots. With ``chunk_size == len(buffer)`` (the paper's rotation) each
 device -> host step must wait for the previous host -> device step, which emptied the slots it
 writes. With a buffer of two chunks or more, the device -> host copy of chunk ``i + 1`` writes
 slots freed two steps earlier, so on a GPU it overlaps the host -> device copy of chunk ``i``: each
-direction runs on its own stream and events order exactly the dependent steps. Both directions
-first wait for the work already queued on the current stream (the compute that wrote the KV being
-demoted), and the current stream waits for both at the end.
+direction runs on its own stream and events order exactly the dependent steps, layer by layer
+(``schedule.py``). Both directions first wait for an event recorded on the current stream (the
+compute that wrote the KV being demoted); later compute waits for the layers it reads.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernel import check_pools, launch_copy, launch_device, pointer_table
+from .kernel import check_pools, launch_device
 from .naive import naive_copy_unchecked
+from .schedule import MIN_RUN, SwapHandle, issue_exchange, layer_groups
+from .streams import CudaStreams, HostStreams, Streams
 
 D2H = "d2h"
 H2D = "h2d"
@@ -154,28 +157,43 @@ def run_exchange(
     gpu_pool: Sequence[torch.Tensor],
     host_pool: Sequence[torch.Tensor],
     copy: str = "triton",
-) -> None:
+    *,
+    num_layers: int | None = None,
+    min_run: int | None = MIN_RUN,
+    streams: Streams | None = None,
+    wait: bool = True,
+    after: tuple = (),
+) -> SwapHandle | None:
     """Run a plan from ``plan_exchange`` on real pools.
 
     Args:
         plan: the exchange to run.
-        gpu_pool, host_pool: lists of per-layer buffers ``[slots, H, D]`` (K and V of every layer),
-            same dtype and row shape. With ``copy="triton"`` the GPU pool is on a GPU and the host
-            pool pinned, or both are CPU tensors under ``TRITON_INTERPRET=1``; ``"naive"`` accepts
-            any placement.
-        copy: ``"triton"`` or ``"naive"``.
+        gpu_pool, host_pool: lists of per-layer buffers ``[slots, H, D]`` (every layer's K, then
+            every layer's V), same dtype and row shape. With ``copy="triton"`` the GPU pool is on a
+            GPU and the host pool pinned, or both are CPU tensors under ``TRITON_INTERPRET=1``;
+            ``"naive"`` accepts any placement.
+        copy: ``"triton"`` (``schedule.issue_exchange``: side streams ordered by events, layer by
+            layer, contiguous runs of at least ``min_run`` rows by the copy engines, the rest by the
+            slot-copy kernel; ``min_run=None``: the kernel only) or ``"naive"`` (torch indexed copies
+            on the current stream, in list order).
+        num_layers: layers of the pools (default ``len(gpu_pool) // 2``): the unit of ``wait_layer``.
+        streams: the stream model (default: CUDA streams for GPU pools, ``HostStreams`` otherwise).
+        wait: make the current stream wait for every copy before returning (an event wait, not a
+            barrier); False leaves that to the returned handle (``wait_layer`` / ``wait_all``).
+        after: events the copies wait for besides the current stream's work (with ``wait=False``,
+            pass the previous exchange's ``handle.last`` so that exchanges stay ordered).
 
-    Asynchronous on the current stream for GPU pools: the host pool holds the demoted rows once
-    the current stream is synchronized. Raises ``ValueError`` before copying anything when the
-    pools or the plan's slots are invalid.
+    Returns the ``SwapHandle`` of the ``"triton"`` schedule (None for ``"naive"`` or an empty plan).
+    Raises ``ValueError`` before copying anything when the pools or the plan's slots are invalid.
     """
     if copy not in COPY_FUNCTIONS:
         raise ValueError(f"unknown copy function {copy!r}; choose one of {', '.join(COPY_FUNCTIONS)}")
     d2h_pools = check_pools(gpu_pool, host_pool)
     h2d_pools = check_pools(host_pool, gpu_pool)
     _check_plan_ranges(plan, d2h_pools.src_rows, d2h_pools.dst_rows)
+    groups = layer_groups(len(gpu_pool), num_layers)
     if not plan.steps:
-        return
+        return None
     pools = {D2H: (d2h_pools, gpu_pool, host_pool), H2D: (h2d_pools, host_pool, gpu_pool)}
 
     if copy == "naive":
@@ -183,55 +201,15 @@ def run_exchange(
         for step in plan.steps:
             _, src, dst = pools[step.kind]
             naive_copy_unchecked(src, dst, torch.from_numpy(step.src_slots), torch.from_numpy(step.dst_slots))
-        return
+        return None
 
     device = launch_device(gpu_pool, host_pool)
-    # One upload of every step's slots instead of one small copy per step.
-    flat = torch.from_numpy(np.concatenate([a for s in plan.steps for a in (s.src_slots, s.dst_slots)]))
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    views, offset = [], 0
-    for step in plan.steps:
-        m = step.src_slots.size
-        views.append((flat[offset:offset + m], flat[offset + m:offset + 2 * m]))
-        offset += 2 * m
-
-    if device.type != "cuda":
-        for step, (src_slots, dst_slots) in zip(plan.steps, views, strict=True):
-            pool_pair, src, dst = pools[step.kind]
-            launch_copy(pool_pair, src, dst, src_slots, dst_slots, device)
-        return
-    _run_on_streams(plan, pools, views, device)
-
-
-def _run_on_streams(plan: ExchangePlan, pools: dict, views: list, device: torch.device) -> None:
-    """GPU schedule: one stream per direction, events for the plan's cross-direction waits."""
-    current = torch.cuda.current_stream(device)
-    # Build the pointer tables on the current stream, before any side stream uses them.
-    for buffers in (pools[D2H][1], pools[D2H][2]):
-        pointer_table(buffers, device)
-    streams = {D2H: torch.cuda.Stream(device), H2D: torch.cuda.Stream(device)}
-    # The demoted rows were written by compute queued on the current stream, and the slot upload
-    # was queued there too: both directions start after it.
-    ready = torch.cuda.Event()
-    ready.record(current)
-    for stream in streams.values():
-        stream.wait_event(ready)
-    done: list[torch.cuda.Event] = []
-    for step, (src_slots, dst_slots) in zip(plan.steps, views, strict=True):
-        stream = streams[step.kind]
-        if step.after >= 0:
-            stream.wait_event(done[step.after])
-        pool_pair, src, dst = pools[step.kind]
-        with torch.cuda.stream(stream):
-            launch_copy(pool_pair, src, dst, src_slots, dst_slots, device)
-        event = torch.cuda.Event()
-        event.record(stream)
-        done.append(event)
-    # Later work on the current stream (attention over the loaded rows, reuse of the slot tensors'
-    # memory by the caching allocator) is ordered after both directions.
-    for stream in streams.values():
-        current.wait_stream(stream)
+    if streams is None:
+        streams = CudaStreams(device) if device.type == "cuda" else HostStreams()
+    handle = issue_exchange(plan.steps, pools, groups, streams, device, min_run, after)
+    if wait:
+        handle.wait_all()
+    return handle
 
 
 def exchange_kv(

@@ -31,13 +31,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ..host_transfer import upload
 
-@triton.jit
+
+# n_slots changes with every chunk: one compiled variant for all counts (1 or a multiple of 16
+# would otherwise each compile their own).
+@triton.jit(do_not_specialize=["n_slots"])
 def _copy_kv_slots_kernel(
     dst_ptr_table,
     src_ptr_table,
@@ -254,7 +259,8 @@ def pointer_table(bufs: Sequence[torch.Tensor], device: torch.device) -> torch.T
     key = (str(device), tuple(b.data_ptr() for b in bufs))
     table = _TABLES.get(key)
     if table is None:
-        table = torch.tensor(key[1], dtype=torch.int64, device=device)
+        # Uploaded without blocking, in the current stream's order.
+        table = upload(np.array(key[1], dtype=np.int64), device)
         _TABLES[key] = table
         if len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)
@@ -285,32 +291,38 @@ def kernel_constants(pools: PoolPair, device_type: str) -> dict:
     )
 
 
+def copy_launch(pools: PoolPair, src_table: torch.Tensor, dst_table: torch.Tensor, src_slots: torch.Tensor,
+                dst_slots: torch.Tensor, device_type: str):
+    """Grid, arguments and keyword arguments of one ``_copy_kv_slots_kernel`` launch (shared with
+    ``compile_report``): ``src_table``/``dst_table`` from ``pointer_table``, one entry per buffer
+    to copy (the grid's second dimension)."""
+    constants = kernel_constants(pools, device_type)
+    n = src_slots.numel()
+    grid = (triton.cdiv(n, constants["BLOCK_SLOTS"]), src_table.numel())
+    return grid, (dst_table, src_table, dst_slots, src_slots, n), dict(constants, num_warps=4)
+
+
 def launch_copy(
     pools: PoolPair,
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor] | None,
+    dst: Sequence[torch.Tensor] | None,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     device: torch.device,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch the copy on the current stream of ``device`` WITHOUT checking the slots.
 
     For callers that validated a whole schedule once (the swap exchange); ``src_slots`` and
     ``dst_slots`` must already be contiguous on ``device`` and have passed ``check_slots``.
+    ``tables``: prebuilt ``(src, dst)`` pointer tables (then ``src``/``dst`` are not read), e.g.
+    slices of a whole pool's tables to copy some of its buffers.
     """
-    n = src_slots.numel()
-    if n == 0:
+    if src_slots.numel() == 0:
         return
-    constants = kernel_constants(pools, device.type)
-    grid = (triton.cdiv(n, constants["BLOCK_SLOTS"]), pools.n_layers)
-    _copy_kv_slots_kernel[grid](
-        pointer_table(dst, device),
-        pointer_table(src, device),
-        dst_slots,
-        src_slots,
-        n,
-        **constants,
-    )
+    src_table, dst_table = tables if tables is not None else (pointer_table(src, device), pointer_table(dst, device))
+    grid, args, kwargs = copy_launch(pools, src_table, dst_table, src_slots, dst_slots, device.type)
+    _copy_kv_slots_kernel[grid](*args, **kwargs)
 
 
 def copy_kv_slots(

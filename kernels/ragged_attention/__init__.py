@@ -1,26 +1,24 @@
 """Ragged-position prefill attention: one launch for phantom holes and new tokens of many requests."""
 
-from .kernel import (
-    RaggedBlocks,
-    RaggedPlan,
-    RaggedWork,
-    plan_ragged_prefill,
-    ragged_attention_blocks,
-    ragged_attention_work,
-    ragged_prefill_attention,
-    store_kv,
-)
+from .configs import RaggedBlocks, ragged_attention_blocks, target_of
+from .kernel import RaggedPlan, plan_ragged_prefill, ragged_prefill_attention, warm_up_ragged_attention
 from .naive import naive_ragged_prefill_attention, naive_store_kv
+from .store import KVStorePlan, plan_store_kv, store_kv
+from .work import RaggedWork, ragged_attention_work
 
 __all__ = [
+    "KVStorePlan",
     "RaggedBlocks",
     "RaggedPlan",
     "RaggedWork",
     "naive_ragged_prefill_attention",
     "naive_store_kv",
     "plan_ragged_prefill",
+    "plan_store_kv",
     "ragged_attention_blocks",
     "ragged_attention_work",
     "ragged_prefill_attention",
     "store_kv",
+    "target_of",
+    "warm_up_ragged_attention",
 ]

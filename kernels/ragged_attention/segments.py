@@ -80,14 +80,17 @@ def check_segments(segs: np.ndarray, num_tokens: int, num_req_rows: int, max_len
 
 
 def check_ragged_inputs(q, k_buffer, v_buffer, req_to_token, segments, sm_scale):
-    """Validate the arguments of ``ragged_prefill_attention``; see its docstring for the contract.
+    """Validate the arguments of ``ragged_prefill_attention`` the simple way (the reference's checks;
+    they read the table's slots on the host, a sync on a GPU).
 
-    Returns ``(segs, sm_scale)``: the segments as int64 numpy ``[N, 4]`` (a host copy: one device
-    sync) and the softmax scale as a float.
+    Returns ``(segs, sm_scale)``: the segments as int64 numpy ``[N, 4]`` and the scale as a float.
     """
     sm_scale = check_layer_inputs(q, k_buffer, v_buffer, sm_scale)
-    check_batch_tables(req_to_token, segments, q.device)
-    segs = check_batch(req_to_token, segments, q.shape[0], k_buffer.shape[0])
+    check_table(req_to_token, q.device)
+    segs = host_segments(segments, q.device)
+    num_req_rows, max_len = req_to_token.shape
+    check_segments(segs, q.shape[0], num_req_rows, max_len)
+    _check_slots(req_to_token, segs, k_buffer.shape[0])
     return segs, sm_scale
 
 
@@ -116,6 +119,8 @@ def check_layer_inputs(q, k_buffer, v_buffer, sm_scale) -> float:
         raise ValueError(f"k_buffer head_dim {kv_dim} != q head_dim {head_dim}")
     if head_dim == 0 or num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads})")
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} is above the largest supported 256")
     for name, tensor in tensors.items():
         if tensor.stride(2) != 1:
             raise ValueError(f"{name} needs a unit stride on head_dim, got strides {tensor.stride()}")
@@ -128,60 +133,52 @@ def check_layer_inputs(q, k_buffer, v_buffer, sm_scale) -> float:
     return sm_scale
 
 
-def check_batch_tables(req_to_token, segments, device: torch.device | None = None) -> None:
-    """Types, dtypes, device and layout of ``req_to_token`` (int32 ``[R, max_len]``, unit column
-    stride) and ``segments`` (int32 ``[N, 4]``), both on ``device`` (default: the table's); no
-    device sync."""
-    tensors = {"req_to_token": req_to_token, "segments": segments}
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    device = req_to_token.device if device is None else device
-    for name, tensor in tensors.items():
-        if tensor.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device}, not on {device} with the other inputs")
+def check_table(req_to_token, device: torch.device | None = None) -> None:
+    """Type, dtype, device and layout of ``req_to_token``: an int32 ``[R, max_len]`` tensor with unit
+    column stride, on ``device`` (default: anywhere); no device sync."""
+    if not isinstance(req_to_token, torch.Tensor):
+        raise ValueError(f"req_to_token must be a torch.Tensor, got {type(req_to_token).__name__}")
+    if req_to_token.dtype != torch.int32:
+        raise ValueError(f"req_to_token must be int32, got {req_to_token.dtype}")
+    if device is not None and req_to_token.device != device:
+        raise ValueError(f"req_to_token is on {req_to_token.device}, not on {device} with the other inputs")
     if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
         raise ValueError(
             f"req_to_token must be 2-D with unit column stride, got shape {tuple(req_to_token.shape)} "
             f"strides {req_to_token.stride()}"
         )
-    if segments.dim() != 2 or segments.shape[1] != 4:
-        raise ValueError(f"segments must have shape [N, 4], got {tuple(segments.shape)}")
 
 
-def check_batch(req_to_token: torch.Tensor, segments: torch.Tensor, num_tokens: int, num_slots: int) -> np.ndarray:
-    """The per-batch checks: ``segments`` cover ``num_tokens`` query rows exactly once and stay in
-    ``req_to_token``, and every slot a query reads is in ``[0, num_slots)``.
+def host_segments(segments, device: torch.device) -> np.ndarray:
+    """``segments`` as int64 numpy ``[N, 4]``, checking their type and place.
 
-    Returns the segments as int64 numpy ``[N, 4]``. Costs two device syncs on a GPU (the copy of
-    the segments to the host and the slot-range check), hence ``RaggedPlan`` to run it once per batch.
-    """
-    segs = segments_to_numpy(segments)
-    num_req_rows, max_len = req_to_token.shape
-    check_segments(segs, num_tokens, num_req_rows, max_len)
-    _check_slots(req_to_token, segs, num_slots)
-    return segs
+    Host-side segments (a numpy integer array, nested lists, an int32 CPU tensor) cost nothing to
+    read. An int32 tensor on ``device`` (the table's) is copied to the host: a device sync."""
+    if isinstance(segments, torch.Tensor):
+        if segments.dtype != torch.int32:
+            raise ValueError(f"segments must be int32, got {segments.dtype}")
+        if segments.device.type != "cpu" and segments.device != device:
+            raise ValueError(f"segments are on {segments.device}, neither on the host nor on {device}")
+        if segments.dim() != 2 or segments.shape[1] != 4:
+            raise ValueError(f"segments must have shape [N, 4], got {tuple(segments.shape)}")
+    elif isinstance(segments, np.ndarray) and segments.size and not np.issubdtype(segments.dtype, np.integer):
+        raise ValueError(f"segments must hold integers, got {segments.dtype}")
+    return segments_to_numpy(segments)
 
 
 def _check_slots(req_to_token: torch.Tensor, segs: np.ndarray, num_slots: int) -> None:
-    """Every slot a query can read (positions 0..last position of its row) must be in the pool."""
+    """Every slot a query can read (positions 0..last position of its row) must be in the pool.
+    Reads only the batch's rows, on the host."""
     live = segs[segs[:, LENGTH] > 0]
-    if live.size == 0:
-        return
-    need = np.zeros(req_to_token.shape[0], dtype=np.int64)
-    np.maximum.at(need, live[:, REQ_ROW], live[:, POS_START] + live[:, LENGTH])
-    need_t = torch.from_numpy(need).to(req_to_token.device)
-    positions = torch.arange(req_to_token.shape[1], device=req_to_token.device)
-    read = positions[None, :] < need_t[:, None]
-    bad = read & ((req_to_token < 0) | (req_to_token >= num_slots))
-    if bool(bad.any()):
-        row, pos = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"req_to_token[{row}, {pos}] = {int(req_to_token[row, pos])} is outside the pool's "
-            f"{num_slots} slots"
-        )
+    for row in np.unique(live[:, REQ_ROW]).tolist():
+        need = int((live[live[:, REQ_ROW] == row, POS_START] + live[live[:, REQ_ROW] == row, LENGTH]).max())
+        slots = req_to_token[row, :need].cpu()
+        bad = torch.nonzero((slots < 0) | (slots >= num_slots))
+        if bad.numel():
+            pos = int(bad[0, 0])
+            raise ValueError(
+                f"req_to_token[{row}, {pos}] = {int(slots[pos])} is outside the pool's {num_slots} slots"
+            )
 
 
 def build_query_tiles(segs: np.ndarray, block_m: int) -> np.ndarray:

@@ -440,12 +440,17 @@ def run_sglang(args) -> int:
                            first_tokens=args.message_tokens, growth_tokens=args.message_tokens,
                            max_new_tokens=args.reply_tokens, seed=args.seed)
     setup = EngineSetup(pool_tokens=args.cache_tokens, page_size=args.page_size, chunk=args.chunk, rows=args.rows,
-                        policy=args.policy, device=device, extra=extra)
+                        policy=args.policy, cpu_cache=args.cpu_cache, device=device, extra=extra)
     spec = EngineCheck(traffic, setup, atol=args.atol, with_default=not args.no_default)
     with tempfile.TemporaryDirectory(prefix="penelope-model-") as tmp:
         model = args.model or str(tiny_model(tmp, seed=args.seed))
-        report = check(model, spec, progress=lambda step: print(f"penelope verify: running {step} ...",
-                                                                 file=sys.stderr, flush=True))
+        try:
+            report = check(model, spec, progress=lambda step: print(f"penelope verify: running {step} ...",
+                                                                     file=sys.stderr, flush=True))
+        except RuntimeError as error:
+            # An Engine failed to start or serve: its own last lines say why.
+            print(f"penelope verify: {error}", file=sys.stderr)
+            return 1
     print(sglang_summary(report))
     if args.json:
         write_text(args.json, json.dumps(report, indent=2))
@@ -463,6 +468,11 @@ def sglang_summary(report: dict) -> str:
         lines.append(f"  {name:9s}: {run['prefill_tokens']} prefill tokens, {run['recomputed_tokens']} recomputed "
                      f"(cost {run['recomputed_cost']:.3g}), phantoms {run['phantom_tokens']}, hole chunks "
                      f"{run['chunk_refill_tokens']}; start {run['start_s']} s, serve {run['serve_s']} s")
+        tiers = run.get("tiers") or {}
+        if tiers:
+            lines.append(f"  {'':9s}  CPU tier: {tiers['loads']} loads ({tiers['loaded_tokens']} tokens), "
+                         f"{tiers['swap_loads']} through the swap buffer ({tiers['swapped_tokens']} tokens), "
+                         f"{tiers['demotions']} demotions ({tiers['demoted_tokens']} tokens), {tiers['copy']} copies")
     tokens = "identical" if comparison["identical_tokens"] else f"DIFFERENT in {comparison['different']}"
     lines.append(f"{comparison['requests']} requests, {comparison['unfinished']} unfinished; tokens {tokens}; "
                  f"max |logprob diff| {comparison['max_logprob_diff']:.3g} (atol {report['atol']})")

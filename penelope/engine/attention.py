@@ -7,8 +7,9 @@ ragged prefill attention over all segments (`attend`), reading every key through
 - "naive": an indexed copy into the pool and `aligned_ragged_attention`, a torch fp32 path
   that, like the kernel, tiles queries at absolute positions, so it is batch-invariant;
 - "triton": the kernel package's `store_kv` and `ragged_prefill_attention`, with one
-  `plan_ragged_prefill` per forward batch, so the kernel's checks of the batch (device syncs)
-  and its query tiles are done once, not once per layer.
+  `plan_store_kv` and one `plan_ragged_prefill` per forward batch, made from the batch's HOST-side
+  slots and segments: the checks and query tiles are done once, uploads are non-blocking, and no
+  layer waits for the GPU.
 
 Why not the kernel package's `naive_ragged_prefill_attention`: it is the kernel's reference for
 values, but it cuts queries per segment, so a query's rounding depends on the segment it sits
@@ -28,7 +29,7 @@ from penelope.errors import UsageError
 
 _KERNEL_MODULE = "penelope.kernels.ragged_attention"
 
-StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+StoreFn = Callable[..., None]
 AttendFn = Callable[..., torch.Tensor]
 PlanFn = Callable[..., object]
 
@@ -43,23 +44,41 @@ class AttentionBackend:
     `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]` rows
     `(req_row, q_start, pos_start, length)`; returns `o` `[T, Hq, D]` where the query at absolute
     position p attends to the keys at positions 0..p of its request, read from the pool.
-    `plan(req_to_token, segments, *, num_tokens, num_slots, num_q_heads, num_kv_heads, head_dim)`
+    `plan(req_to_token, segments, *, num_tokens, num_slots, num_q_heads, num_kv_heads, head_dim, dtype)`
     (optional): the per-batch work of `attend`, done once per forward batch; its result goes to
     every layer's `attend` as `plan=`.
+    `plan_store(slots, num_slots, device)` (optional): the per-batch work of `store_kv` from host
+    slots; its result `p` goes to every layer's `store_kv` as `plan=p`, with `p.slots` as slots.
     """
 
     name: str
     store_kv: StoreFn
     attend: AttendFn
     plan: PlanFn | None = None
+    plan_store: PlanFn | None = None
 
     def attend_kwargs(self, req_to_token: torch.Tensor, segments: torch.Tensor, **shape: int) -> dict:
         """Extra keyword arguments of `attend` for every layer of one batch: `{"plan": ...}`,
         planned here once, or none. `shape`: `num_tokens`, `num_slots`, `num_q_heads`,
-        `num_kv_heads`, `head_dim`, as `plan` takes them."""
+        `num_kv_heads`, `head_dim`, `dtype`, as `plan` takes them."""
         if self.plan is None:
             return {}
         return {"plan": self.plan(req_to_token, segments, **shape)}
+
+    def store_args(self, slots: torch.Tensor, num_slots: int, device: torch.device) -> tuple[torch.Tensor, dict]:
+        """The slots every layer's `store_kv` takes for the host slots `slots` (int64 `[T]`), on
+        `device`, and extra keyword arguments (`{"plan": ...}` when the backend plans stores)."""
+        if self.plan_store is None:
+            return to_device(slots, device), {}
+        plan = self.plan_store(slots, num_slots, device)
+        return plan.slots, {"plan": plan}
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: pinned, non-blocking on CUDA."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _kernel_function(name: str) -> Callable:
@@ -133,8 +152,12 @@ def aligned_ragged_attention(
     return out.to(q.dtype)
 
 
-def _triton_store_kv(k_buffer, v_buffer, slots, k, v):
-    _kernel_function("store_kv")(k_buffer, v_buffer, slots, k, v)
+def _triton_store_kv(k_buffer, v_buffer, slots, k, v, plan=None):
+    _kernel_function("store_kv")(k_buffer, v_buffer, slots, k, v, plan=plan)
+
+
+def _triton_plan_store(slots, num_slots, device):
+    return _kernel_function("plan_store_kv")(slots, num_slots, device)
 
 
 def _triton_plan(req_to_token, segments, **shape):
@@ -148,7 +171,7 @@ def _triton_attend(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None,
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "naive": AttentionBackend("naive", torch_store_kv, aligned_ragged_attention),
-    "triton": AttentionBackend("triton", _triton_store_kv, _triton_attend, _triton_plan),
+    "triton": AttentionBackend("triton", _triton_store_kv, _triton_attend, _triton_plan, _triton_plan_store),
 }
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from penelope.engine.attention import AttentionBackend, get_attention_backend
+from penelope.engine.attention import AttentionBackend, get_attention_backend, to_device
 from penelope.engine.config import EngineModelConfig
 from penelope.engine.kvpool import KVPool
 from penelope.engine.weights import LayerWeights, ModelWeights
@@ -191,10 +191,13 @@ class Qwen3Decoder:
         return self.weights.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: EngineBatch, pool: KVPool, logits_rows=None) -> torch.Tensor:
+    def forward(self, batch: EngineBatch, pool: KVPool, logits_rows=None,
+                layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run `batch`, store its K/V into `pool`, return logits `[n, vocab]` of `logits_rows`
-        (indices into the batch's `[T]` tokens; all rows when None) in the model's dtype."""
-        hidden = self.hidden_states(batch, pool)
+        (indices into the batch's `[T]` tokens; all rows when None) in the model's dtype.
+        `layer_ready(l)` is called before layer l touches the pool (e.g. `SwapHandle.wait_layer`:
+        layer l's KV copies must be done, later layers' may still run)."""
+        hidden = self.hidden_states(batch, pool, layer_ready)
         if logits_rows is not None:
             hidden = hidden[torch.as_tensor(logits_rows, dtype=torch.int64, device=hidden.device)]
         return self.logits(hidden)
@@ -202,28 +205,34 @@ class Qwen3Decoder:
     __call__ = forward
 
     @torch.inference_mode()
-    def hidden_states(self, batch: EngineBatch, pool: KVPool) -> torch.Tensor:
+    def hidden_states(self, batch: EngineBatch, pool: KVPool,
+                      layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run `batch` through every layer, writing its K/V into `pool` at `batch.slots`;
-        return the final-normed hidden states `[T, hidden]`."""
+        return the final-normed hidden states `[T, hidden]`. `layer_ready`: as in `forward`."""
         self._check(batch, pool)
         device = self.device
-        positions = batch.positions.to(device)
-        slots = batch.slots.to(device)
-        req_to_token = batch.req_to_token.to(device)
-        segments = batch.segments.to(device)
+        # Host -> device uploads that never wait for the GPU; segments stay on the host, where the
+        # backend's plan reads them.
+        positions = to_device(batch.positions, device)
+        req_to_token = to_device(batch.req_to_token, device)
+        segments = batch.segments
         cfg = self.config
-        # The backend's per-batch work (the kernel's checks and query tiles) runs once, not per layer.
+        # The backend's per-batch work (checks of slots and segments, query tiles) runs once, not
+        # per layer, and no layer reads anything back from the GPU.
+        slots, store_kwargs = self.attention.store_args(batch.slots, pool.capacity, device)
         attend_kwargs = self.attention.attend_kwargs(
             req_to_token, segments, num_tokens=batch.num_tokens, num_slots=pool.capacity,
-            num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype,
         )
 
-        hidden = self.weights.embed[batch.tokens.to(device)]
+        hidden = self.weights.embed[to_device(batch.tokens, device)]
         for index, lw in enumerate(self.weights.layers):
             q, k, v = self._rowwise(lambda h, p, lw=lw: self._qkv(lw, h, p), hidden, positions)
             k_buffer, v_buffer = pool.layer(index)
+            if layer_ready is not None:
+                layer_ready(index)
             # Store first: a query may read keys written by another segment of this batch.
-            self.attention.store_kv(k_buffer, v_buffer, slots, k, v)
+            self.attention.store_kv(k_buffer, v_buffer, slots, k, v, **store_kwargs)
             attn = self.attention.attend(
                 q, k_buffer, v_buffer, req_to_token, segments, sm_scale=self.sm_scale, **attend_kwargs
             ).reshape(-1, cfg.q_size)

@@ -99,7 +99,8 @@ class Server:
             if host_pool.capacity != cache.host_rows:
                 raise UsageError(f"host pool has {host_pool.capacity} rows; the cache's CPU tier and swap buffer "
                                  f"need {cache.host_rows}")
-            self.executor = SwapExecutor(pool.buffers(), host_pool.buffers(), copy)
+            # Compute waits for the copies layer by layer, in the next forward (`_layer_ready`).
+            self.executor = SwapExecutor(pool.buffers(), host_pool.buffers(), copy, defer_waits=True)
         elif host_pool is not None:
             raise UsageError(f"a host pool needs a cache with a CPU tier; {type(cache).__name__} has none")
 
@@ -131,13 +132,23 @@ class Server:
         return result
 
     def move_kv(self) -> int:
-        """Run every tier plan the cache queued, oldest first, on the GPU and host pools (nothing
-        for a GPU-only cache). Returns the number of plans run."""
+        """Issue every tier plan the cache queued, oldest first, on the GPU and host pools (nothing
+        for a GPU-only cache). Compute does not wait for them here: the next forward waits for
+        each layer's copies just before that layer (`_layer_ready`), so on a GPU a prefill's first
+        layers run while later layers still load. Returns the number of plans issued."""
         if self.executor is None:
             return 0
         plans = self.cache.take_plans()
         self.executor.run_all(plans)
         return len(plans)
+
+    def _layer_ready(self, layer: int) -> None:
+        """Before layer `layer` of a forward: its rows of every issued copy are in place."""
+        if self.executor is None:
+            return
+        self.executor.wait_layer(layer)
+        if layer == self.model.config.num_layers - 1:
+            self.executor.finish_layers()
 
     def _run(self, plan: RequestPlan, prompt: np.ndarray, max_new_tokens: int, logprobs: bool) -> TurnResult:
         layout = self.layout_fn([plan])
@@ -146,7 +157,8 @@ class Server:
         generated: list[int] = []
         while True:
             rows = np.arange(len(layout.tokens)) if logprobs else layout.output_rows
-            logits = self.model.forward(_engine_batch(layout), self.pool, logits_rows=torch.as_tensor(rows))
+            logits = self.model.forward(_engine_batch(layout), self.pool, logits_rows=torch.as_tensor(rows),
+                                        layer_ready=self._layer_ready)
             out = logits[int(np.searchsorted(rows, layout.output_rows[0]))]
             generated.append(int(torch.argmax(out.float())))
             if logprobs:
