@@ -4,19 +4,30 @@ only inside `run`, so `penelope cost` stays quick.
 
 Exit codes: 0 done, 1 a runtime fault (a failed check, a file that could not be written, no
 memory), 2 bad input (one line `penelope: error: ...` naming the input), 130 interrupted (Ctrl-C,
-one line). Exceptions of other kinds are bugs and keep their traceback."""
+one line), 143 terminated (SIGTERM, one line; it unwinds like Ctrl-C, so child processes are
+stopped and temporary files removed). Exceptions of other kinds are bugs and keep their traceback."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from penelope.errors import Interrupted, PenelopeError, UsageError
 
 # Subcommand name -> module in penelope.commands, in the order `--help` lists them.
 COMMANDS = ("reproduce", "cost", "simulate", "analyze", "verify")
-EXIT_USAGE, EXIT_FAULT, EXIT_INTERRUPTED = 2, 1, 130
+EXIT_USAGE, EXIT_FAULT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 1, 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so it unwinds like Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -44,11 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _main(argv)
+    except Terminated:
+        _say("penelope: terminated")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         _say("penelope: interrupted")
         return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -68,6 +88,10 @@ def _main(argv: list[str] | None) -> int:
         _say(f"penelope: error: {one_line(err)}")
         return EXIT_USAGE
     except Interrupted as err:
+        # A command that saved its partial results on Ctrl-C (or SIGTERM) says what it kept.
+        if isinstance(err.__context__, Terminated):
+            _say(f"penelope: {one_line(err).replace('interrupted', 'terminated', 1)}")
+            return EXIT_TERMINATED
         _say(f"penelope: {one_line(err)}")
         return EXIT_INTERRUPTED
     except PenelopeError as err:

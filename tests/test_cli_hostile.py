@@ -92,6 +92,17 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["verify", "--cache-tokens", "2000000000"], "K/V pools of"),
     (["verify", "--engine", "sglang", "--atol", "nan"], "--atol must be a finite"),
     (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
+    (["verify", "--engine", "sglang", "--attention", "triton"], "--attention applies to --engine reference only"),
+    (["verify", "--engine", "sglang", "--swap-buffer", "64"], "--swap-buffer applies to --engine reference only"),
+    (["verify", "--chunk", "256"], "--chunk applies to --engine sglang only"),
+    (["verify", "--engine-arg", "x=1"], "--engine-arg applies to --engine sglang only"),
+    (["verify", "--engine", "sglang", "--chunk", "100"], "--chunk 100 is not a multiple of --page-size 64"),
+    (["verify", "--engine", "sglang", "--device", "cuda:1"], "--device cuda:1: --engine sglang runs on cpu or"),
+    (["verify", "--engine", "sglang", "--cache-tokens", "500"], "--cache-tokens 500 cannot hold the longest"),
+    (["verify", "--engine", "sglang", "--cpu-cache", "100"], "--cpu-cache 100 is not a multiple of --page-size"),
+    (["verify", "--engine", "sglang", "--model", "/no/such/model"], "--model /no/such/model: not a checkpoint"),
+    (["verify", "--engine", "sglang", "--engine-arg", "page_size=16"], "--engine-arg page_size: the check sets it;"),
+    (["verify", "--engine", "sglang", "--engine-arg", "no_such_arg=1"], "--engine-arg no_such_arg: not an argument"),
 ])
 def test_bad_numbers_and_names(args, message, capsys):
     assert main([*args, "--no-progress"] if args[0] == "simulate" else args) == 2

@@ -248,3 +248,30 @@ def test_sigint_to_a_parallel_ensemble_is_one_line_and_130(tmp_path):
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
     assert err.count("\n") == 1 and err.startswith("penelope: interrupted") and "Traceback" not in err, err
+
+
+def test_sigterm_to_the_command_stops_it_and_its_workers(tmp_path):
+    """`kill PID` (a service manager stopping the job): one line, exit 143, no worker left behind."""
+    out = tmp_path / "sim.json"
+    command = [sys.executable, "-m", "penelope.cli", "simulate", "--limit-sessions", "6", "--gpu-cache", "64K,96K",
+               "--repeat", "30", "--jobs", "2", "--no-progress", "--json", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    for text in iter(process.stdout.readline, ""):
+        if text.startswith("ensemble:"):
+            break
+    time.sleep(2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert err.count("\n") == 1 and err.startswith("penelope: terminated") and "Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("worker processes outlived the command")

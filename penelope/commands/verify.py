@@ -33,6 +33,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from penelope.errors import UsageError
 from penelope.memory import check_memory
@@ -360,6 +361,7 @@ def run(args) -> int:
     if args.policy not in policy_names(aliases=True):
         raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
     check_device(args.device)
+    check_engine_options(args)
     if args.engine == "sglang":
         return run_sglang(args)
     options = VerifyOptions(
@@ -391,6 +393,33 @@ def run(args) -> int:
     return 0 if report.identical else 1
 
 
+# Options only one engine reads, with their defaults: setting one for the other engine is an error,
+# not silently ignored.
+REFERENCE_ONLY = {"attention": "--attention", "block_size": "--block-size", "swap_buffer": "--swap-buffer",
+                  "copy": "--copy"}
+SGLANG_ONLY = {"model": ("--model", None), "page_size": ("--page-size", 64), "chunk": ("--chunk", 128),
+               "rows": ("--rows", 8), "atol": ("--atol", 1e-3), "no_default": ("--no-default", False),
+               "engine_arg": ("--engine-arg", [])}
+# Engine arguments the check sets itself, and the option that sets each.
+OWN_ENGINE_ARGS = {"model_path": "--model", "max_total_tokens": "--cache-tokens", "page_size": "--page-size",
+                   "chunked_prefill_size": "--chunk", "max_running_requests": "--rows", "device": "--device",
+                   "radix_cache_backend": "--engine", "radix_eviction_policy_config": "--policy and --cpu-cache",
+                   "skip_tokenizer_init": None}
+
+
+def check_engine_options(args) -> None:
+    """Refuse an option of one engine given with the other (it would be ignored)."""
+    if args.engine == "sglang":
+        defaults = VerifyOptions()
+        for name, flag in REFERENCE_ONLY.items():
+            if getattr(args, name) != getattr(defaults, name):
+                raise UsageError(f"{flag} applies to --engine reference only (SGLang's Engine ignores it)")
+        return
+    for name, (flag, default) in SGLANG_ONLY.items():
+        if getattr(args, name) != default:
+            raise UsageError(f"{flag} applies to --engine sglang only")
+
+
 def check_sglang_options(args) -> None:
     """Ranges of the `--engine sglang` options (before SGLang is imported)."""
     for flag, value, low, high in (("--page-size", args.page_size, 1, 1 << 16), ("--rows", args.rows, 1, 4096),
@@ -406,6 +435,38 @@ def check_sglang_options(args) -> None:
         raise UsageError(f"--chunk must be -1 (off) or a positive number of tokens, got {args.chunk}")
     if not 0 <= args.atol < math.inf:
         raise UsageError(f"--atol must be a finite non-negative number, got {args.atol}")
+    if args.chunk != -1 and args.chunk % args.page_size:
+        raise UsageError(f"--chunk {args.chunk} is not a multiple of --page-size {args.page_size}")
+    if args.device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: --engine sglang runs on cpu or cuda; pick the GPU with "
+                         "--engine-arg base_gpu_id=N")
+    if args.cpu_cache and args.cpu_cache % args.page_size:
+        raise UsageError(f"--cpu-cache {args.cpu_cache} is not a multiple of --page-size {args.page_size}")
+    longest = (args.system_tokens + args.message_tokens
+               + (args.turns - 1) * (args.message_tokens + args.reply_tokens) + args.reply_tokens)
+    need = -(-longest // args.page_size) * args.page_size + args.page_size
+    if args.cache_tokens < need:
+        raise UsageError(f"--cache-tokens {args.cache_tokens} cannot hold the longest request ({longest} tokens "
+                         f"with its reply); use at least {need}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model}: not a checkpoint folder (no config.json in it)")
+
+
+def check_engine_arg_keys(extra: dict) -> None:
+    """Every `--engine-arg` key is a field of SGLang's ServerArgs the check does not set itself."""
+    for key in extra:
+        if key in OWN_ENGINE_ARGS:
+            flag = OWN_ENGINE_ARGS[key]
+            raise UsageError(f"--engine-arg {key}: the check sets it" + (f"; use {flag}" if flag else ""))
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as error:
+        raise UsageError(f"--engine sglang needs SGLang 0.5.23 installed ({error})") from None
+    # ServerArgs is a msgspec Struct in 0.5.23; its annotations name every argument either way.
+    known = set(getattr(ServerArgs, "__struct_fields__", ())) | set(getattr(ServerArgs, "__annotations__", {}))
+    for key in extra:
+        if key not in known:
+            raise UsageError(f"--engine-arg {key}: not an argument of sglang.Engine (ServerArgs)")
 
 
 def engine_args(items: list[str]) -> dict:
@@ -429,13 +490,14 @@ def run_sglang(args) -> int:
     """`--engine sglang`: three Engines (two with --no-default), compared; exit 1 on a difference."""
     check_sglang_options(args)
     extra = engine_args(args.engine_arg)
+    check_engine_arg_keys(extra)
     import sys
     import tempfile
 
     from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
     from penelope.integration.sglang.verify import EngineCheck, check, tiny_model
 
-    device = "cpu" if args.device == "cpu" else "cuda"
+    device = args.device
     traffic = AgentTraffic(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                            first_tokens=args.message_tokens, growth_tokens=args.message_tokens,
                            max_new_tokens=args.reply_tokens, seed=args.seed)
@@ -476,6 +538,8 @@ def sglang_summary(report: dict) -> str:
     tokens = "identical" if comparison["identical_tokens"] else f"DIFFERENT in {comparison['different']}"
     lines.append(f"{comparison['requests']} requests, {comparison['unfinished']} unfinished; tokens {tokens}; "
                  f"max |logprob diff| {comparison['max_logprob_diff']:.3g} (atol {report['atol']})")
+    if not report.get("evicted_tokens"):
+        lines.append("the small pool never evicted, so nothing was refilled or loaded: lower --cache-tokens")
     if not report["probe_outputs_differ"]:
         lines.append("the model's outputs do not depend on early tokens: this check cannot see wrong KV")
     lines.append("PASS" if report["passed"] else "FAIL")
