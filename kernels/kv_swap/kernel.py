@@ -127,6 +127,8 @@ def _check_side(name: str, bufs: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"{name}[{i}] is a {type(buf).__name__}, not a tensor")
         if buf.dim() < 2:
             raise ValueError(f"{name}[{i}] has shape {tuple(buf.shape)}; expected [slots, *row]")
+        if buf.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}[{i}] is on {buf.device}: a pool holds its rows on the CPU or a CUDA GPU")
         if buf.shape != first.shape or buf.stride(0) != first.stride(0):
             raise ValueError(
                 f"{name}[{i}] has shape {tuple(buf.shape)} and slot stride {buf.stride(0)}, but "
