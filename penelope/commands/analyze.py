@@ -9,8 +9,6 @@ replicas). See `penelope.sim.analysis`.
 
 from __future__ import annotations
 
-import json
-
 from penelope.report import format_table
 from penelope.units import format_size
 
@@ -53,9 +51,12 @@ def run(args) -> int:
     import dataclasses
 
     from penelope.commands.simulate import percent, prepare, progress_bar
+    from penelope.commands.simulate_json import write_json
     from penelope.errors import UsageError
+    from penelope.outputs import check_outputs
     from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
     from penelope.sim.fleet_report import fleet_label, offered_load_lines
+    from penelope.sim.options import workload_inputs
     from penelope.sim.run import baseline_of, json_ready, run_policies
     from penelope.sim.saturation import offered_load
     from penelope.sim.workloads import workload_stats
@@ -65,6 +66,7 @@ def run(args) -> int:
     if args.gpu_cache and "," in args.gpu_cache:
         raise UsageError("--gpu-cache: analyze estimates the gain at one capacity")
     args.cpu_cache = "0"
+    check_outputs({"--json": args.json}, workload_inputs(args, args.path))
     chosen = args.replicas
     args.replicas = chosen or 1
     setup = prepare(args, sweep_routers=False)
@@ -156,8 +158,7 @@ def run(args) -> int:
             "replicas": args.replicas,
             "estimate": {name: result.as_dict() for name, result in results.items()},
         }
-        with open(args.json, "w") as handle:
-            json.dump(json_ready(payload), handle, indent=2)
+        write_json(args.json, json_ready(payload))
         print(f"wrote {args.json}")
     return 0
 

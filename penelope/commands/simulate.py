@@ -10,11 +10,15 @@ With `--repeat N` every setting is replayed N times with seeded perturbations
 
 from __future__ import annotations
 
-import json
 import sys
 
 from penelope.report import format_table
 from penelope.units import format_size
+
+# Ranges of the ensemble options: 10,000 runs per setting narrow an interval 40x below 6 runs'
+# already; each worker process holds the whole workload and its own caches.
+MAX_REPEAT = 10_000
+MAX_JOBS = 256
 
 
 def add_parser(subparsers) -> None:
@@ -114,8 +118,12 @@ def ensemble_options(args):
     repeat = args.repeat
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    if repeat > MAX_REPEAT:
+        raise UsageError(f"--repeat must be at most {MAX_REPEAT:,}, got {repeat:,}")
     if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.jobs is not None and args.jobs > MAX_JOBS:
+        raise UsageError(f"--jobs must be at most {MAX_JOBS}, got {args.jobs:,} (each worker holds the whole workload)")
     given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
                                       ("--perturb-seed", args.perturb_seed)) if value is not None]
     if repeat == 1:
@@ -131,22 +139,25 @@ def ensemble_options(args):
 
 
 def run(args) -> int:
-    from penelope.sim.ensemble import default_jobs, run_ensembles
+    from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
+    from penelope.outputs import check_outputs
+    from penelope.sim.ensemble import run_ensembles
     from penelope.sim.fleet_report import fleet_table, saturation_warnings
+    from penelope.sim.options import workload_inputs
     from penelope.sim.run import parse_policies
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
     repeat, perturbation, jobs = ensemble_options(args)
-    setup = prepare(args)
+    check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
+    setup = prepare(args, workers=jobs, repeat=repeat, policies=len(policies))
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
-    capacities, settings = setup["capacities"], setup["settings"]
+    capacities, settings, jobs = setup["capacities"], setup["settings"], setup["jobs"]
     config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
     time_model: TimeModel = setup["time_model"]
     print_config(config_json, time_model)
-    if jobs is None:
-        jobs = default_jobs() if repeat > 1 or len(settings) > 1 else 1
+    fleet = args.replicas > 1
     if repeat > 1:
         config_json["ensemble"] = ensemble_json(repeat, perturbation, jobs)
         print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
@@ -154,11 +165,16 @@ def run(args) -> int:
         print(f"sweep: {len(settings)} settings x {len(policies)} policies, {jobs} worker processes")
     print_offered_load(setup)
     bar = progress_bar(workload.num_requests * len(policies) * len(settings) * repeat, args.no_progress)
+    finished: dict[int, object] = {}
     try:
         ensembles = run_ensembles(
             workload, policies, [setup["make_config"](c, router) for c, router in settings], time_model,
             setup["cost"], repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
+            on_ensemble=finished.__setitem__,
         )
+    except KeyboardInterrupt:
+        done = [(settings[i], setting_results(finished[i], policies)) for i in sorted(finished)]
+        raise interrupted(args.json, config_json, settings, done, fleet) from None
     finally:
         if bar is not None:
             bar.close()
@@ -171,7 +187,7 @@ def run(args) -> int:
             print(ensemble_tables(capacity, ensemble))
         else:
             print(results_table(capacity, ensemble.runs[0], ensemble.config))
-        if args.replicas > 1:
+        if fleet:
             print(fleet_table(ensemble, args.per_replica))
     print(
         "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
@@ -181,7 +197,8 @@ def run(args) -> int:
     for line in saturation_warnings(sweep):
         print(line, file=sys.stderr)
     if args.json:
-        write_json(args.json, config_json, sweep, policies, repeat, args.replicas > 1)
+        done = [(setting, setting_results(ensemble, policies)) for setting, ensemble in sweep]
+        write_json(args.json, sweep_payload(config_json, settings, done, fleet))
         print(f"wrote {args.json}")
     if args.plot:
         if len({router for _, router in settings}) > 1:
@@ -209,39 +226,25 @@ def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
     }
 
 
-def write_json(path: str, config_json: dict, sweep: list, policies: list[str], repeat: int, fleet: bool) -> None:
-    """One setting: `results` by policy; several: `sweep`, one entry per (capacity, router)."""
-
-    def results(ensemble) -> dict:
-        if repeat > 1:
-            return {name: ensemble.policy_dict(name) for name in policies}
-        return {name: r.as_dict() for name, r in ensemble.runs[0].items()}
-
-    payload = {"config": config_json}
-    if len(sweep) == 1:
-        payload["results"] = results(sweep[0][1])
-    else:
-        payload["sweep"] = [
-            {"gpu_cache": capacity, **({"router": router} if fleet else {}), "results": results(ensemble)}
-            for (capacity, router), ensemble in sweep
-        ]
-    with open(path, "w") as handle:
-        json.dump(payload, handle, indent=2)
-
-
-def prepare(args, sweep_routers: bool = True) -> dict:
+def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: int = 1, policies: int = 2) -> dict:
     """Everything both `simulate` and `analyze` need from the options: the workload (waits scaled
     by --time-scale), the model, the time and cost models, the GPU capacities (the model's default
     when none is given), the settings to replay ((capacity, router) pairs; one router unless
-    `sweep_routers`) and a factory of `SimConfig`s by (capacity, router). Options are validated
-    before the workload is loaded."""
+    `sweep_routers`), a factory of `SimConfig`s by (capacity, router), and `jobs`: the worker
+    processes (`workers`; None: every core for an ensemble or a sweep, else 1). Options are
+    validated before the workload is loaded, and the memory the replays may reach (in up to `jobs`
+    processes, `repeat` runs of `policies` policies per setting) is checked before they start."""
     import dataclasses
 
     from penelope.costmodel import CostModel
+    from penelope.errors import UsageError
+    from penelope.memory import check_memory
     from penelope.models import get_model
     from penelope.sim import conversations
+    from penelope.sim.ensemble import default_jobs
     from penelope.sim.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
     from penelope.sim.options import load_from_args
+    from penelope.sim.replay import replay_memory
     from penelope.sim.run import SimConfig, default_gpu_cache
     from penelope.sim.timemodel import TimeModel
     from penelope.units import parse_size, parse_size_list
@@ -290,6 +293,23 @@ def prepare(args, sweep_routers: bool = True) -> dict:
     description["closed_loop"] = workload.closed_loop
     workload = scale_time(workload, time_scale)
     description["time_scale"] = time_scale
+    smallest = min(r.input_tokens + r.output_tokens for _, _, r in workload.requests())
+    for capacity in capacities:
+        if capacity < smallest:
+            raise UsageError(f"--gpu-cache {format_size(capacity)}: no request of the workload fits in it (the "
+                             f"smallest needs {smallest:,} tokens of input and output)")
+    if workers is None:
+        workers = default_jobs() if repeat > 1 or len(settings) > 1 else 1
+    jobs = workers
+    # Caches grow as they fill: what the largest one may reach must fit, in every replica of every
+    # worker process.
+    workers = min(workers, repeat * policies * len(settings))
+    concurrent = args.sessions if workload.closed_loop else 64
+    need = replay_memory(workload, max(capacities) + cpu_cache, max(1, concurrent)) * args.replicas * workers
+    where = f" in {workers} processes" if workers > 1 else ""
+    replicas = f" on each of {args.replicas} replicas" if args.replicas > 1 else ""
+    check_memory(need, f"replaying {workload.num_requests:,} requests in a cache of "
+                 f"{format_size(max(capacities) + cpu_cache)} tokens{replicas}{where}")
     config = {
         "workload": description,
         "model": shape.name,
@@ -317,6 +337,7 @@ def prepare(args, sweep_routers: bool = True) -> dict:
         "capacities": capacities,
         "settings": settings,
         "make_config": make_config,
+        "jobs": jobs,
     }
 
 
@@ -451,6 +472,7 @@ def percent(change: float) -> str:
 
 def plot_results(path: str, sweep: list, model: str) -> None:
     """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity)."""
+    from penelope.outputs import save_figure
     from penelope.plotting import pyplot
 
     plt = pyplot()
@@ -468,5 +490,5 @@ def plot_results(path: str, sweep: list, model: str) -> None:
     left.legend(fontsize=8)
     fig.suptitle(f"{model}: trace replay by eviction policy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

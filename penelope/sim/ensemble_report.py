@@ -114,6 +114,7 @@ def ensemble_tables(capacity: int, ensemble) -> str:
 def plot_ensembles(path: str, sweep: list, model: str) -> None:
     """Against the GPU capacity, per policy: mean TTFT, its paired change against SGLang, and the
     hit rate, each with its interval as error bars."""
+    from penelope.outputs import save_figure
     from penelope.plotting import pyplot
 
     plt = pyplot()
@@ -144,5 +145,5 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
     left.legend(fontsize=8)
     fig.suptitle(f"{model}: trace replay by eviction policy ({repeat} runs, 95% intervals)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -31,16 +31,58 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from penelope.costmodel import CostModel
 from penelope.errors import UsageError
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.router import Router
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Job
-from penelope.sim.server import Server, ServerCounters, decode_step_times
+from penelope.sim.server import MAX_DECODE_STEPS, Server, ServerCounters, decode_step_times
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads import MAX_CLOCK, Workload
 
-__all__ = ["Replay", "ReplayResult", "decode_step_times", "replay"]
+# Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
+# measured with long nodes, rounded up for histories split into many short nodes.
+CACHED_TOKEN_BYTES = 48
+# Bytes per prompt token of a running request (its token and slot arrays, match and insert copies).
+RUNNING_TOKEN_BYTES = 32
+
+
+def replay_memory(workload: Workload, capacity: int, concurrent: int) -> int:
+    """Bytes a replay of `workload` through a cache of `capacity` tokens (both tiers) may hold at
+    once: every token the cache can keep (at most the workload's distinct tokens) and the arrays of
+    `concurrent` running requests of the largest size. Caches allocate as they fill, so this is
+    what to check against memory before a replay, not before creating the cache."""
+    requests = [request for _, _, request in workload.requests()]
+    if not requests:
+        return 0
+    cached = min(capacity, sum(r.input_tokens for r in requests))
+    if cached * CACHED_TOKEN_BYTES > 2**30:
+        # Worth a closer bound: distinct blocks, plus each request's partial last block.
+        distinct = np.unique(np.concatenate([r.keys for r in requests])).size
+        cached = min(cached, (distinct + len(requests)) * workload.block_size)
+    largest = max(r.input_tokens for r in requests)
+    return cached * CACHED_TOKEN_BYTES + min(concurrent, len(requests)) * largest * RUNNING_TOKEN_BYTES
+
+
+def check_clock_range(workload: Workload) -> None:
+    """Raise UsageError when a workload's waits or arrivals could take the clock past `MAX_CLOCK`:
+    closed loop, all think times together; open loop, the last arrival."""
+    if workload.closed_loop:
+        total = sum(r.think_time for s in workload.sessions for r in s.requests)
+        if not total <= MAX_CLOCK:
+            raise UsageError(f"the workload's think times add up to {total:.3g} s, beyond the {MAX_CLOCK:.3g} s "
+                             "(136 years) the simulated clock resolves to a microsecond; cap or scale them "
+                             "(--think-time cap:S or scale:X)")
+        return
+    last = max((r.arrival for s in workload.sessions for r in s.requests), default=0.0)
+    if not last <= MAX_CLOCK:
+        raise UsageError(f"the last request arrives at {last:.3g} s, beyond the {MAX_CLOCK:.3g} s (136 years) the "
+                         "simulated clock resolves to a microsecond")
+
+__all__ = ["MAX_DECODE_STEPS", "Replay", "ReplayResult", "check_clock_range", "decode_step_times", "replay",
+           "replay_memory"]
 
 # Order of events at equal times (see the module docstring).
 _FINISH, _SEND, _START = 0, 1, 2
@@ -103,6 +145,7 @@ class Replay:
             raise UsageError(f"{len(caches)} servers need a router")
         if router is not None and router.replicas != len(caches):
             raise UsageError(f"the router spreads over {router.replicas} replicas, not {len(caches)}")
+        check_clock_range(workload)
         self.workload = workload
         self.time_model = time_model
         self.cost = cost_model
@@ -200,6 +243,11 @@ class Replay:
     def _start(self, number: int) -> None:
         server = self.servers[number]
         if server.start():
+            # A server's clock moves only here; arrivals were checked against MAX_CLOCK up front.
+            if not server.now <= MAX_CLOCK:
+                raise UsageError(f"the simulated clock passed {MAX_CLOCK:.3g} s (136 years) after "
+                                 f"{len(self.result.records)} requests: batches take too long for the time "
+                                 "model's constants to be real (check the calibration and the model)")
             self._action[number] += 1
             self._push(server.now, _FINISH, (number, self._action[number]))
 

@@ -28,6 +28,9 @@ from penelope.errors import InvariantError
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Chunk, Job, Scheduler
 from penelope.sim.timemodel import TimeModel
 
+# Decode steps timed in one array at most (8 MB); a longer reply is decoded over several actions.
+MAX_DECODE_STEPS = 1 << 20
+
 
 def decode_step_times(model: TimeModel, batch_size: int, kv_tokens: int, steps: int) -> np.ndarray:
     """Seconds of `steps` consecutive decode steps ([steps] float64) of `batch_size` requests
@@ -151,7 +154,7 @@ class Server:
             return True
         if self.decoding:
             batch = self.decoding
-            steps = min(job.output_tokens - job.generated for job in batch)
+            steps = min(MAX_DECODE_STEPS, *(job.output_tokens - job.generated for job in batch))
             ends = np.cumsum(decode_step_times(self.time_model, len(batch), sum(j.kv_tokens for j in batch), steps))
             self.action = _Decode(self.now, ends, steps)
             self.now += float(ends[steps - 1])
