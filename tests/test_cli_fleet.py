@@ -122,3 +122,27 @@ def test_fleet_option_errors_are_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_ctrl_c_in_a_router_sweep_keeps_the_finished_settings(traces, tmp_path, capsys, monkeypatch):
+    from penelope.sim import ensemble
+
+    real = ensemble._Replayer.run
+    calls = [0]
+
+    def interrupting(self, task):
+        # Two policies per setting: the third replay is the second setting's first.
+        calls[0] += 1
+        if calls[0] > 2:
+            raise KeyboardInterrupt
+        return real(self, task)
+
+    monkeypatch.setattr(ensemble._Replayer, "run", interrupting)
+    out = tmp_path / "out.json"
+    assert main(["simulate", "--trace", str(traces["light"]), "--gpu-cache", "128K", "--replicas", "2",
+                 "--router", "round-robin,session", "--jobs", "1", "--no-progress", "--json", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err == f"penelope: interrupted; wrote the 1 of 2 settings that finished (128K round-robin) to {out}\n"
+    payload = json.loads(out.read_text())
+    assert [(e["gpu_cache"], e["router"]) for e in payload["sweep"]] == [(131072, "round-robin")]
+    assert payload["interrupted"] == {"finished": [[131072, "round-robin"]], "not_run": [[131072, "session"]]}
