@@ -184,3 +184,20 @@ def test_generator_options_are_validated():
         MooncakeLikeConfig(rate=0.0)
     with pytest.raises(UsageError, match="max_input"):
         MooncakeLikeConfig(max_input=100)
+
+
+def test_parallel_results_come_back_in_task_order_whatever_order_they_finish(tmp_path):
+    # The first setting is many times slower (64-token prefill chunks), so with two workers the
+    # three others finish before it: results must still be put back in settings order.
+    work = mooncake_like(tmp_path, duration=30.0, rate=3.0)
+    configs = [SimConfig(gpu_cache=128 * 1024, replicas=2, router="least-load", chunk_size=64)] + [
+        SimConfig(gpu_cache=c, replicas=2, router="round-robin") for c in (64 * 1024, 96 * 1024, 128 * 1024)]
+    sequential = run_ensembles(work, ["sglang"], configs, MODEL, QWEN_COST, jobs=1)
+    parallel = run_ensembles(work, ["sglang"], configs, MODEL, QWEN_COST, jobs=2)
+    # The first setting's work, in prefill batches, is what makes it slow (not a timing assertion).
+    slow, fast = (sequential[i].runs[0]["sglang"].replay.prefill_batches for i in (0, 1))
+    assert slow > 20 * fast
+    for one, other in zip(sequential, parallel, strict=True):
+        assert one.config == other.config
+        assert one.runs[0]["sglang"].summary == other.runs[0]["sglang"].summary
+        assert one.runs[0]["sglang"].fleet == other.runs[0]["sglang"].fleet
