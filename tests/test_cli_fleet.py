@@ -6,6 +6,7 @@ import json
 import pytest
 
 from penelope.cli import main
+from penelope.sim.mooncake import load_mooncake
 from penelope.sim.mooncake_like import MooncakeLikeConfig, write_jsonl
 
 
@@ -146,3 +147,15 @@ def test_ctrl_c_in_a_router_sweep_keeps_the_finished_settings(traces, tmp_path, 
     payload = json.loads(out.read_text())
     assert [(e["gpu_cache"], e["router"]) for e in payload["sweep"]] == [(131072, "round-robin")]
     assert payload["interrupted"] == {"finished": [[131072, "round-robin"]], "not_run": [[131072, "session"]]}
+
+
+def test_analyze_checks_the_memory_of_the_replicas_it_chooses(traces, monkeypatch, capsys):
+    from penelope import memory
+    from penelope.sim.replay import replay_memory
+
+    # Room for one replica's cache but not for the five or six the heavy trace needs.
+    one = replay_memory(load_mooncake(traces["heavy"]), 128 * 1024, 64)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2 * one)
+    assert main(["analyze", str(traces["heavy"]), "--gpu-cache", "128K", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "in a cache of 128K tokens on each of" in err and "more than the" in err and err.count("\n") == 1

@@ -53,10 +53,12 @@ def run(args) -> int:
     from penelope.commands.simulate import percent, prepare, progress_bar
     from penelope.commands.simulate_json import write_json
     from penelope.errors import UsageError
+    from penelope.memory import check_memory
     from penelope.outputs import check_outputs
     from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
     from penelope.sim.fleet_report import fleet_label, offered_load_lines
     from penelope.sim.options import workload_inputs
+    from penelope.sim.replay import replay_memory
     from penelope.sim.run import baseline_of, json_ready, run_policies
     from penelope.sim.saturation import offered_load
     from penelope.sim.workloads import workload_stats
@@ -80,6 +82,10 @@ def run(args) -> int:
         load = offered_load(workload, setup["time_model"], setup["cost"], capacity)
         if chosen is None and load.span > 0:
             args.replicas = load.replicas_needed(0.8)
+            # `prepare` checked one replica's memory; every replica holds its own cache.
+            check_memory(replay_memory(workload, capacity, 64) * args.replicas,
+                         f"replaying {workload.num_requests:,} requests in a cache of {format_size(capacity)} tokens "
+                         f"on each of {args.replicas} replicas")
     config = dataclasses.replace(setup["make_config"](capacity), replicas=args.replicas)
 
     policies = ["sglang", "penelope"]
