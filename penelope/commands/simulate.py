@@ -61,7 +61,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--policies",
         default="sglang,penelope",
-        help="comma-separated eviction policies, or 'ablation' for the paper's six-policy grid",
+        help="comma-separated eviction policies, 'ablation' for the paper's six-policy grid, or 'all' for every "
+        "registered policy (the grid, ttl, flop-recency, penelope-agent and the offline oracle)",
     )
     add_ensemble_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")

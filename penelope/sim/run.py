@@ -22,7 +22,7 @@ from penelope.costmodel import CostModel
 from penelope.errors import UsageError
 from penelope.hicache import HiCacheLikeCache
 from penelope.models import ModelShape, get_model
-from penelope.policy import get_policy, policy_names
+from penelope.policy import PAPER_GRID, get_policy, policy_names
 from penelope.sim.metrics import Summary, changes_against, summarize
 from penelope.sim.replay import Replay, ReplayResult
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
@@ -38,20 +38,25 @@ DEFAULT_POLICIES = ("sglang", "penelope")
 def ablation_policies() -> list[str]:
     """The paper's six-policy grid, canonical names, SGLang's `leaf-tail-node` first."""
     names = policy_names()
-    if len(names) != 6 or names[0] != BASELINE:
-        raise UsageError(f"the ablation grid needs the six registered policies, found {', '.join(names)}")
-    return names
+    if list(PAPER_GRID) != names[:len(PAPER_GRID)] or PAPER_GRID[0] != BASELINE:
+        raise UsageError(f"the ablation grid needs the six policies {', '.join(PAPER_GRID)} registered first")
+    return list(PAPER_GRID)
+
+
+# Names that stand for several policies in --policies.
+POLICY_GROUPS = {"ablation": ablation_policies, "all": policy_names}
 
 
 def parse_policies(text: str) -> list[str]:
-    """Policy names from `a,b,c` or `ablation`, validated against the registry, duplicates
-    (aliases included) removed. The baseline (`sglang`) is put first when it is missing."""
+    """Policy names from `a,b,c`, `ablation` (the paper's grid) or `all` (every registered
+    policy), validated against the registry, duplicates (aliases included) removed. The baseline
+    (`sglang`) is put first when it is missing."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
         raise UsageError("--policies: empty list")
     names: list[str] = []
     for item in items:
-        names.extend(ablation_policies() if item == "ablation" else [item])
+        names.extend(POLICY_GROUPS[item]() if item in POLICY_GROUPS else [item])
     chosen: list[str] = []
     seen: set[str] = set()
     for name in names:
