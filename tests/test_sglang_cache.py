@@ -344,3 +344,32 @@ def test_two_caches_fed_the_same_operations_agree():
                 serving.cache.evict(EvictParams(num_tokens=64))
         assert tree(ranks[0]) == tree(ranks[1])
     assert ranks[0].cache.cache.stats.evicted_tokens > 0
+
+
+def test_a_released_receipt_cannot_release_another_holders_lock():
+    serving = Serving(size=64 * 16, page_size=64)
+    system, a, b = two_sessions(serving)
+    first = serving.cache.lock(serving.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(a)))).last_device_node)
+    second = serving.cache.lock(serving.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(a)))).last_device_node)
+    serving.cache.unlock(first)
+    with pytest.raises(UsageError, match="released already"):
+        serving.cache.unlock(first)
+    assert serving.cache.protected_size() == len(a)  # still held by the second lock
+    serving.cache.unlock(second)
+    with pytest.raises(UsageError, match="node a match returned"):
+        serving.cache.inc_lock_ref(None)
+    with pytest.raises(UsageError, match="node a match returned"):
+        serving.cache.dec_lock_ref(object())
+    serving.cache.check_invariants()
+
+
+def test_slots_that_straddle_pages_are_refused():
+    serving = Serving(size=64 * 8, page_size=64)
+    slots = serving.allocator.alloc(128)
+    straddling = torch.cat([slots[32:96], slots[:32], slots[96:]])
+    before = serving.allocator.available_size()
+    with pytest.raises(UsageError, match="whole pages"):
+        serving.cache.insert(InsertParams(key=RadixKey(list(blocks(1, 2))), value=straddling))
+    assert serving.allocator.available_size() == before and serving.cache.total_size() == 0
+    serving.cache.insert(InsertParams(key=RadixKey(list(blocks(1, 2))), value=slots))
+    serving.cache.check_invariants()

@@ -154,6 +154,18 @@ def test_default_cache_on_the_same_traffic(model, reference):
     assert "evicted_tokens" not in counters
 
 
+def test_rows_taken_by_riders_make_a_request_wait(model):
+    """Two request rows: a request with a hole (one rider) and a fresh request in one call. The
+    rider takes the row SGLang counted for the fresh request, which waits a step (this crashed
+    SGLang's allocator before)."""
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "engine_rows_probe.py"), model],
+                         env={**os.environ, **engine_env(SGLANG_USE_CPU_ENGINE="1")}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["finished"] == ["length", "length"] and report["phantoms"] == 1
+
+
 def test_penelope_verify_engine_sglang(tmp_path):
     """The user's command: two Engines (Penelope on a small and on a never-evicting pool), JSON
     out, exit 0 when they agree."""
@@ -175,6 +187,10 @@ def test_penelope_verify_engine_sglang(tmp_path):
      "penelope: block_size 96 is not a multiple of SGLang's page size 64"),
     (["--radix-eviction-policy-config", '{"cpu_cache": 10000000000000}'], {}, "penelope: the CPU tier needs"),
     ([], {"PENELOPE_CPU_CACHE": "-5"}, "penelope: cpu_cache must be a non-negative integer"),
+    (["--enable-streaming-session"], {}, "penelope: --radix-cache-backend penelope does not support --enable-stre"),
+    (["--radix-eviction-policy", "lfu"], {}, "penelope: --radix-eviction-policy lfu applies to SGLang's own"),
+    (["--max-total-tokens", "4096", "--radix-eviction-policy-config", '{"block_size": 8192}'], {},
+     "penelope: block_size 8192 is larger than the KV pool"),
 ])
 def test_a_bad_configuration_stops_the_server_with_one_line(model, args, env, message):
     """``python -m sglang.launch_server``: the error is the last line, there is no traceback, and

@@ -34,16 +34,25 @@ def test_options_from_json_override_the_environment():
     ({"polcy": "penelope"}, {}, "unknown key 'polcy'"),
     ({"policy": "fifo"}, {}, "unknown policy 'fifo'"),
     ({"block_size": 0}, {}, "block_size must be a positive integer"),
-    ({"block_size": 64, "swap_buffer": 32}, {}, "smaller than one block"),
+    ({"block_size": 64, "swap_buffer": 32, "cpu_cache": 1024}, {}, "swap_buffer 32 is smaller than one block"),
+    ({"block_size": 64, "cpu_cache": 32}, {}, "cpu_cache 32 is smaller than one block"),
+    ({"attention": "sglang"}, {}, "set PENELOPE_ATTENTION instead"),
     ({"phantoms": "yes"}, {}, "phantoms must be true or false"),
     (None, {"PENELOPE_BLOCK_SIZE": "big"}, "PENELOPE_BLOCK_SIZE must be an integer"),
     (None, {"PENELOPE_PHANTOMS": "maybe"}, "PENELOPE_PHANTOMS must be"),
     (None, {"PENELOPE_ATTENTION": "flash"}, "attention must be one of"),
+    (None, {"PENELOPE_BLOCK_SIZE": "0"}, r"block_size must be a positive integer, got 0 \(from PENELOPE_BLOCK_SIZE\)"),
+    (None, {"PENELOPE_BLOCK_SIZE": "1_024"}, "PENELOPE_BLOCK_SIZE must be an integer"),
     ([1, 2], {}, "must be a JSON object"),
 ])
 def test_bad_options_name_the_problem(config, env, message):
     with pytest.raises(UsageError, match=message):
         options_from(config, env)
+
+
+def test_a_json_key_wins_over_a_bad_variable_and_an_unused_swap_buffer_never_blocks():
+    assert options_from({"block_size": 64}, {"PENELOPE_BLOCK_SIZE": "many"}).block_size == 64
+    assert options_from({"block_size": 2048}, {}).block_size == 2048
 
 
 def _context(serving, config=None, **flags):

@@ -45,6 +45,9 @@ def create_penelope_triton_backend(runner):
     if runner.model_config.is_encoder_decoder:
         raise ValueError("Cross attention is not supported in the triton attention backend. "
                          "Please use `--attention-backend flashinfer`.")
+    if getattr(getattr(runner, "server_args", None), "radix_cache_backend", None) != "penelope":
+        # Another radix cache: no phantom batch ever comes, SGLang's own backend as it is.
+        return TritonAttnBackend(runner)
     backend = PenelopeTritonAttnBackend(runner)
     backend.warm_up()
     return backend

@@ -72,9 +72,6 @@ class PenelopeOptions:
         if self.block_size is not None:
             _positive(self.block_size, "block_size")
         _positive(self.swap_buffer, "swap_buffer")
-        if self.block_size is not None and self.swap_buffer < self.block_size:
-            raise UsageError(f"penelope: swap_buffer {self.swap_buffer} is smaller than one block "
-                             f"of {self.block_size} tokens")
         if not isinstance(self.phantoms, bool):
             raise UsageError(f"penelope: phantoms must be true or false, got {self.phantoms!r}")
         if self.attention not in ATTENTION_MODES:
@@ -82,9 +79,12 @@ class PenelopeOptions:
                              f"got {self.attention!r}")
         if isinstance(self.cpu_cache, bool) or not isinstance(self.cpu_cache, numbers.Integral) or self.cpu_cache < 0:
             raise UsageError(f"penelope: cpu_cache must be a non-negative integer (tokens), got {self.cpu_cache!r}")
-        if self.cpu_cache and self.block_size is not None and self.cpu_cache < self.block_size:
-            raise UsageError(f"penelope: cpu_cache {self.cpu_cache} is smaller than one block of "
-                             f"{self.block_size} tokens (0 turns the CPU tier off)")
+        if self.cpu_cache and self.block_size is not None:
+            for name in ("cpu_cache", "swap_buffer"):
+                if getattr(self, name) < self.block_size:
+                    raise UsageError(f"penelope: {name} {getattr(self, name)} is smaller than one block of "
+                                     f"{self.block_size} tokens" + (" (0 turns the CPU tier off)"
+                                                                    if name == "cpu_cache" else ""))
         if self.copy not in COPY_MODES:
             raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 
@@ -100,29 +100,38 @@ class PenelopeOptions:
 
 
 def options_from(config: Mapping | None = None, environ: Mapping[str, str] | None = None) -> PenelopeOptions:
-    """Options from the ``--radix-eviction-policy-config`` object and the environment.
+    """Options from the ``--radix-eviction-policy-config`` object and the environment; a JSON key
+    wins over its variable (a variable is not even read then).
 
     Raises UsageError naming the offending key or variable."""
     environ = os.environ if environ is None else environ
-    values: dict = {}
-    for name, variable in _ENV.items():
-        if variable in environ:
-            values[name] = _parse_env(name, variable, environ[variable])
     if isinstance(config, str):
         # The CLI parses the flag's JSON; the Python Engine API passes what it was given.
         try:
             config = json.loads(config)
         except json.JSONDecodeError as error:
             raise UsageError(f"penelope: --radix-eviction-policy-config is not valid JSON ({error})") from None
+    values: dict = {}
     if config is not None:
         if not isinstance(config, Mapping):
             raise UsageError(f"penelope: --radix-eviction-policy-config must be a JSON object, got {config!r}")
         known = [f.name for f in fields(PenelopeOptions)]
         for key, value in config.items():
+            if key == "attention":
+                raise UsageError("penelope: attention is chosen when the plugin loads, before this config is "
+                                 "read: set PENELOPE_ATTENTION instead")
             if key not in known:
                 raise UsageError(f"penelope: unknown key {key!r} in --radix-eviction-policy-config "
-                                 f"(known: {', '.join(known)})")
+                                 f"(known: {', '.join(k for k in known if k != 'attention')})")
             values[key] = value
+    for name, variable in _ENV.items():
+        if variable in environ and name not in values:
+            value = _parse_env(name, variable, environ[variable])
+            try:
+                PenelopeOptions(**{name: value})
+            except UsageError as error:
+                raise UsageError(f"{error} (from {variable})") from None
+            values[name] = value
     return PenelopeOptions(**values)
 
 
@@ -166,11 +175,22 @@ def check_server_args(server_args) -> None:
     options = options_from(server_args.radix_eviction_policy_config)
     for flag, on in (("--enable-hierarchical-cache", server_args.enable_hierarchical_cache),
                      ("--disable-radix-cache", server_args.disable_radix_cache),
-                     ("speculative decoding", server_args.speculative_algorithm is not None)):
+                     ("speculative decoding", server_args.speculative_algorithm is not None),
+                     ("--enable-streaming-session", getattr(server_args, "enable_streaming_session", False)),
+                     ("--enable-session-radix-cache", getattr(server_args, "enable_session_radix_cache", False)),
+                     ("pipeline parallelism", (getattr(server_args, "pp_size", 1) or 1) > 1),
+                     ("PD disaggregation", getattr(server_args, "disaggregation_mode", "null") not in (None, "null"))):
         if on:
             raise UsageError(f"penelope: --radix-cache-backend penelope does not support {flag}")
-    if server_args.page_size:
-        options.resolved_block_size(server_args.page_size)
+    policy = getattr(server_args, "radix_eviction_policy", "lru")
+    if policy not in (None, "lru"):
+        raise UsageError(f"penelope: --radix-eviction-policy {policy} applies to SGLang's own radix cache; choose "
+                         "Penelope's policy with --radix-eviction-policy-config '{\"policy\": ...}'")
+    page = server_args.page_size or 1
+    block = options.resolved_block_size(page)
+    pool = getattr(server_args, "max_total_tokens", None)
+    if pool and block > pool:
+        raise UsageError(f"penelope: block_size {block} is larger than the KV pool (--max-total-tokens {pool})")
     _check_host_memory(options, server_args)
 
 
@@ -224,9 +244,13 @@ def create_penelope_cache(ctx):
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
     server_args = getattr(ctx, "server_args", None)
-    return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
-                              hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
-                              hicache_ratio=getattr(server_args, "hicache_ratio", None))
+    try:
+        return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
+                                  hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
+                                  hicache_ratio=getattr(server_args, "hicache_ratio", None))
+    except UsageError as error:
+        message = str(error)
+        raise UsageError(message if message.startswith("penelope:") else f"penelope: {message}") from None
 
 
 def _positive(value, name: str) -> None:
@@ -237,10 +261,9 @@ def _positive(value, name: str) -> None:
 def _parse_env(name: str, variable: str, text: str):
     text = text.strip()
     if name in _INTEGERS:
-        try:
-            return int(text)
-        except ValueError:
-            raise UsageError(f"penelope: {variable} must be an integer, got {text!r}") from None
+        if not (text.isascii() and text.lstrip("-").isdigit()):
+            raise UsageError(f"penelope: {variable} must be an integer, got {text!r}")
+        return int(text)
     if name == "phantoms":
         if text.lower() in _TRUE:
             return True

@@ -289,6 +289,8 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def inc_lock_ref(self, node: MatchRef) -> IncLockRefResult:
         """Lock the matched root path of `node`; the receipt's ``node_id`` names the lock."""
+        if not isinstance(node, MatchRef):
+            raise UsageError(f"penelope: inc_lock_ref takes the node a match returned, got {node!r}")
         if self.disable or node.match is None:
             return IncLockRefResult(delta=0)
         before = self.cache.evictable_size()
@@ -298,11 +300,18 @@ class PenelopeRadixCache(BasePrefixCache):
         return IncLockRefResult(delta=self.cache.evictable_size() - before, node_id=lock_id)
 
     def dec_lock_ref(self, node: MatchRef, params: DecLockRefParams | None = None) -> DecLockRefResult:
-        """Release the lock named by the receipt (without one: the latest lock taken on `node`)."""
+        """Release the lock named by the receipt (without one: the latest lock taken on `node`).
+        A receipt whose lock was released already is refused: it must not release another
+        holder's lock on the same path."""
+        if not isinstance(node, MatchRef):
+            raise UsageError(f"penelope: dec_lock_ref takes the node a match returned, got {node!r}")
         if self.disable or node.match is None:
             return DecLockRefResult(delta=0)
-        lock_id = params.node_id if params is not None else None
-        if lock_id not in self._locks:
+        if params is not None and params.node_id is not None:
+            lock_id = params.node_id
+            if lock_id not in self._locks:
+                raise UsageError(f"penelope: the lock of receipt {lock_id} was released already")
+        else:
             lock_id = next((i for i in reversed(self._locks) if self._locks[i].node is node.match.handle), None)
         if lock_id is None:
             raise UsageError(f"penelope: no lock held on {node!r}")

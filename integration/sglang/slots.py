@@ -63,6 +63,12 @@ class SGLangSlots:
         self._stamp[slots] = order
         if not np.array_equal(self._stamp[slots], order):
             raise UsageError(f"penelope: slot {int(slots[self._stamp[slots] != order][0])} is passed twice")
+        page = self.page_size
+        if page > 1:
+            # The tree frees a block's slots page by page: each page's slots must be one whole page.
+            pages = slots.reshape(-1, page) if len(slots) % page == 0 else None
+            if pages is None or (pages[:, 0] % page).any() or (np.diff(pages, axis=1) != 1).any():
+                raise UsageError(f"penelope: slots must fill whole pages of {page} (one page's slots in order)")
 
     def check_allocated(self, slots: np.ndarray) -> None:
         """Raise UsageError if a page of `slots` is on SGLang's free list (never allocated, or
