@@ -71,6 +71,8 @@ def _end_node(tree: RadixTree, tokens: np.ndarray) -> Node | None:
 class HintedPolicy(EvictionPolicy):
     """A policy that reads hints: the book of waiting sessions and what it has deleted so far."""
 
+    fresh_keys = True
+
     def __init__(self):
         self.book = WaitBook()
         self.deleted_cost = 0.0
@@ -156,6 +158,7 @@ class FlopRecency(_TailPolicy):
     token held, whole leaves from the tail (see the module docstring)."""
 
     whole_node = True
+    fresh_keys = True
     alpha = 1.0
 
     def prepare(self, tree: RadixTree, candidates: list[Node]) -> None:

@@ -131,12 +131,17 @@ class EvictionPolicy:
         """Where eviction from victim `leaf` starts: the leaf itself unless a policy walks up."""
         return leaf
 
+    # Whether victim keys can change while other victims are evicted (they read more than the
+    # victim's own recency): then every step orders the current candidates afresh.
+    fresh_keys: ClassVar[bool] = False
+
     def evict(self, tree: RadixTree, n_blocks: int) -> Released:
         """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
         locked node. Node policies may free more than asked."""
         out = Released()
         candidates = [leaf for leaf in tree.leaves if is_candidate(tree, leaf)]
-        self.prepare(tree, candidates)
+        if self.fresh_keys:
+            return self._evict_fresh(tree, n_blocks, candidates, out)
         heap = [(self.victim_key(tree, leaf), leaf.id, leaf) for leaf in candidates]
         heapq.heapify(heap)
         while out.blocks < n_blocks and heap:
@@ -146,6 +151,22 @@ class EvictionPolicy:
             survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
             if survivor is not None and is_candidate(tree, survivor):
                 heapq.heappush(heap, (self.victim_key(tree, survivor), survivor.id, survivor))
+        if out.blocks:
+            self.evicted(tree, out)
+        return out
+
+    def _evict_fresh(self, tree: RadixTree, n_blocks: int, candidates: list[Node], out: Released) -> Released:
+        """The same loop, each victim the smallest key among the candidates as they are now
+        (pruning a sibling can lengthen a private history, changing its key)."""
+        while out.blocks < n_blocks:
+            candidates = [leaf for leaf in candidates if is_candidate(tree, leaf)]
+            if not candidates:
+                break
+            self.prepare(tree, candidates)
+            leaf = min(candidates, key=lambda node: (self.victim_key(tree, node), node.id))
+            survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
+            if survivor is not None and survivor not in candidates and is_candidate(tree, survivor):
+                candidates.append(survivor)
         if out.blocks:
             self.evicted(tree, out)
         return out
