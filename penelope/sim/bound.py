@@ -5,7 +5,8 @@ differ in cost; this bound closes the bracket from below, so "distance to optima
 [bound, oracle] rather than a guess.
 
 The sequence is what one replay admitted and finished, in order (`ReplayResult.events`). Between
-a request of session s finishing and s's next request being admitted, the private tokens the next
+a request of session s finishing and s's next request being admitted (the next one the replay
+served: requests that cannot fit are skipped), the private tokens the next
 request reuses (its common prefix with the finished one, minus blocks any other session also has)
 were in the cache at the finish; none can come back without being recomputed, because only s
 computes them. At every admission e the cache holds at most its capacity C (GPU + CPU for two
@@ -134,6 +135,14 @@ def _program(workload: Workload, events, capacity: int, cost_model) -> tuple[lis
     waiting: dict[int, tuple[int, int, int]] = {}  # session -> (next admission, tokens, first position)
     footprints: list[int] = []
     spans: list[tuple[int, int, int, int]] = []  # (first admission, end admission, tokens, first position)
+    # The request a session sends after one finishes is its next ADMITTED one: the replay skips
+    # requests that cannot fit the cache, and the session goes on with the one after.
+    served: dict[int, list[int]] = {}
+    for kind, number, index in events:
+        if kind == "admit":
+            served.setdefault(number, []).append(index)
+    following_of = {(number, a): b for number, indices in served.items()
+                    for a, b in zip(indices[:-1], indices[1:], strict=True)}
     for kind, number, index in events:
         request = workload.sessions[number].requests[index]
         keys = np.unique(request.keys)
@@ -151,10 +160,9 @@ def _program(workload: Workload, events, capacity: int, cost_model) -> tuple[lis
         shared_in_use.subtract(keys[is_shared].tolist())
         shared_in_use = +shared_in_use
         private_tokens -= own
-        requests = workload.sessions[number].requests
-        if index + 1 >= len(requests):
+        if (number, index) not in following_of:
             continue
-        following = requests[index + 1]
+        following = workload.sessions[number].requests[following_of[number, index]]
         n = min(request.n_blocks, following.n_blocks, request.input_tokens // bs)
         differ = np.flatnonzero(request.keys[:n] != following.keys[:n])
         reused = request.keys[:int(differ[0]) if len(differ) else n]
