@@ -23,6 +23,7 @@ from penelope.errors import UsageError
 from penelope.hicache import HiCacheLikeCache
 from penelope.models import ModelShape, get_model
 from penelope.policy import PAPER_GRID, get_policy, policy_names
+from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound
 from penelope.sim.metrics import Summary, changes_against, summarize
 from penelope.sim.replay import Replay, ReplayResult
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
@@ -130,6 +131,10 @@ class PolicyResult:
     cache_stats: CacheStats
     changes: dict[str, float] = field(default_factory=dict)
     tiers: dict | None = None
+    # The oracle's run only: a lower bound on the recompute cost of the requests it served.
+    bound: float | None = None
+    # Distances to the oracle's run (`penelope.sim.bracket`), when one ran beside this one.
+    to_oracle: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """JSON-ready figures: the summary (times in s, sizes in tokens), counters, and the change
@@ -147,6 +152,10 @@ class PolicyResult:
             wall_time=self.replay.wall_time,
             vs_sglang=dict(self.changes),
         )
+        if self.bound is not None:
+            data["recompute_bound"] = self.bound
+        if self.to_oracle:
+            data["vs_oracle"] = dict(self.to_oracle)
         if self.tiers is not None:
             data["tiers"] = dict(self.tiers)
         return json_ready(data)
@@ -165,6 +174,7 @@ def run_policies(
     cost = cost_model if cost_model is not None else CostModel(get_model(time_model.model))
     results = {name: run_policy(workload, name, config, time_model, cost, progress) for name in policies}
     compare_with_baseline(results)
+    compare_with_oracle(results)
     return results
 
 
@@ -190,8 +200,9 @@ def run_policy(
     ).run()
     cache.check_invariants()
     counters = getattr(cache, "counters", None)
+    bound = oracle_bound(workload, outcome, cache, cost_model) if cache.policy.name == ORACLE else None
     return PolicyResult(policy, cache.policy.name, summarize(outcome.records), outcome, cache.stats,
-                        tiers=counters.as_dict() if counters is not None else None)
+                        tiers=counters.as_dict() if counters is not None else None, bound=bound)
 
 
 def compare_with_baseline(results: dict[str, PolicyResult]) -> None:
