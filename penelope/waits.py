@@ -135,11 +135,13 @@ class WaitBook:
 
     def finished(self, hashes: np.ndarray, hint: Hint) -> Waiting:
         """Record a finished request's session as waiting; an older record of the same sequence
-        (a prefix of it) is replaced."""
-        for i, seen in enumerate(self.arrived_hashes):
-            if len(seen) == len(hashes) and (not len(hashes) or seen[-1] == hashes[-1]):
-                del self.arrived_hashes[i]
-                break
+        (a prefix of it) is replaced. The request stops being in the system: the longest arrival
+        whose sequence the finished one continues (a server may report the prompt on arrival,
+        less its last token, and the prompt and reply at the finish)."""
+        arrivals = [i for i, seen in enumerate(self.arrived_hashes)
+                    if len(seen) <= len(hashes) and (not len(seen) or seen[-1] == hashes[len(seen) - 1])]
+        if arrivals:
+            del self.arrived_hashes[max(arrivals, key=lambda i: len(self.arrived_hashes[i]))]
         record = Waiting(hashes, hint.waits_for, float(hint.now), hint.foresight)
         if len(hashes):
             self.waiting = [w for w in self.waiting if not _same_session(w.hashes, hashes)]

@@ -215,8 +215,10 @@ class ReferenceCache:
                     bisect.insort(self.observed[w["kind"]], max(0.0, float(now) - w["since"]))
             self.waiting = [w for w in self.waiting if all(w is not b for b in back)]
             return
-        if whole in self.arrived:
-            self.arrived.remove(whole)
+        # The request leaves the system: the longest arrival its sequence continues.
+        continued = [a for a in self.arrived if whole[:len(a)] == a]
+        if continued:
+            self.arrived.remove(max(continued, key=len))
         record = dict(tokens=whole, kind=kind, since=float(now), foresight=foresight, pin_until=-math.inf)
         if whole:
             self.waiting = [w for w in self.waiting if not self.same_session(w["tokens"], whole)]

@@ -15,6 +15,7 @@ overrides the variable of the same option:
 | ``swap_buffer``| ``PENELOPE_SWAP_BUFFER``| 1024     | CPU swap buffer in tokens (two-tier cache only)  |
 | ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
 | ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
+| ``tool_call_token`` | ``PENELOPE_TOOL_CALL_TOKEN`` | none | token id opening a tool call in a reply (``hints.py``) |
 
 By default a block is one SGLang page, so the cache keeps what SGLang's own radix cache would keep
 (every token with page size 1, whole pages otherwise). ``attention`` is read when the plugin loads
@@ -41,8 +42,9 @@ ATTENTION_MODES = ("ragged", "sglang")
 COPY_MODES = ("auto", "triton", "naive")
 _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
-        "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY"}
-_INTEGERS = ("block_size", "swap_buffer", "cpu_cache")
+        "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY",
+        "tool_call_token": "PENELOPE_TOOL_CALL_TOKEN"}
+_INTEGERS = ("block_size", "swap_buffer", "cpu_cache", "tool_call_token")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
@@ -64,6 +66,7 @@ class PenelopeOptions:
     attention: str = "ragged"
     cpu_cache: int = 0
     copy: str = "auto"
+    tool_call_token: int | None = None
 
     def __post_init__(self):
         known = policy_names(aliases=True)
@@ -85,6 +88,10 @@ class PenelopeOptions:
                     raise UsageError(f"penelope: {name} {getattr(self, name)} is smaller than one block of "
                                      f"{self.block_size} tokens" + (" (0 turns the CPU tier off)"
                                                                     if name == "cpu_cache" else ""))
+        if self.tool_call_token is not None and (isinstance(self.tool_call_token, bool) or not isinstance(
+                self.tool_call_token, numbers.Integral) or self.tool_call_token < 0):
+            raise UsageError(f"penelope: tool_call_token must be a token id (a non-negative integer), "
+                             f"got {self.tool_call_token!r}")
         if self.copy not in COPY_MODES:
             raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 
