@@ -41,6 +41,8 @@ def test_tool_call_token_option():
     assert options_from(None, {}).tool_call_token is None
     with pytest.raises(UsageError, match="tool_call_token must be a token id"):
         options_from({"tool_call_token": -1}, {})
+    with pytest.raises(UsageError, match="policy 'oracle' is an offline reference"):
+        options_from({"policy": "oracle"}, {})
     with pytest.raises(UsageError, match="PENELOPE_TOOL_CALL_TOKEN must be an integer"):
         options_from(None, {"PENELOPE_TOOL_CALL_TOKEN": "<tool_call>"})
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from penelope.errors import UsageError
-from penelope.policy import policy_names
+from penelope.policy import get_policy, policy_names
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class PenelopeOptions:
         known = policy_names(aliases=True)
         if self.policy not in known:
             raise UsageError(f"penelope: unknown policy {self.policy!r} (known: {', '.join(known)})")
+        if get_policy(self.policy).uses_foresight:
+            raise UsageError(f"penelope: policy {self.policy!r} is an offline reference that must be told the "
+                             "future (penelope simulate, penelope verify); a server cannot run it")
         if self.block_size is not None:
             _positive(self.block_size, "block_size")
         _positive(self.swap_buffer, "swap_buffer")
