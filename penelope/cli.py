@@ -1,20 +1,50 @@
 """The `penelope` command line. Each subcommand is a module of `penelope.commands` with
 `add_parser(subparsers)` and `run(args) -> int`; those modules import heavy packages (torch)
-only inside `run`, so `penelope cost` stays quick."""
+only inside `run`, so `penelope cost` stays quick.
+
+Exit codes: 0 done, 1 a runtime fault (a failed check, a file that could not be written, no
+memory), 2 bad input (one line `penelope: error: ...` naming the input), 130 interrupted (Ctrl-C,
+one line), 143 terminated (SIGTERM, one line; it unwinds like Ctrl-C, so child processes are
+stopped and temporary files removed). Exceptions of other kinds are bugs and keep their traceback."""
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+import threading
 
-from penelope.errors import UsageError
+from penelope.errors import Interrupted, PenelopeError, UsageError
 
 # Subcommand name -> module in penelope.commands, in the order `--help` lists them.
 COMMANDS = ("reproduce", "cost", "simulate", "analyze", "verify")
+EXIT_USAGE, EXIT_FAULT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 1, 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so it unwinds like Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (its default prints the whole usage first, which for
+    `simulate` is a dozen lines above the one that matters)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"penelope: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def one_line(message: object) -> str:
+    """`message` without line breaks (a path or a value may hold one)."""
+    return str(message).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="penelope",
         description="Position-aware KV-cache eviction for agentic LLM serving.",
     )
@@ -25,17 +55,70 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    except Terminated:
+        _say("penelope: terminated")
+        return EXIT_TERMINATED
+    except KeyboardInterrupt:
+        _say("penelope: interrupted")
+        return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:
+        # --help (0) or a bad option, already reported in one line (2).
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     module = importlib.import_module(f"penelope.commands.{args.command}")
     try:
         return int(module.run(args) or 0)
     except UsageError as err:
-        print(f"penelope: error: {err}", file=sys.stderr)
-        return 2
+        _say(f"penelope: error: {one_line(err)}")
+        return EXIT_USAGE
+    except Interrupted as err:
+        # A command that saved its partial results on Ctrl-C (or SIGTERM) says what it kept.
+        if isinstance(err.__context__, Terminated):
+            _say(f"penelope: {one_line(err).replace('interrupted', 'terminated', 1)}")
+            return EXIT_TERMINATED
+        _say(f"penelope: {one_line(err)}")
+        return EXIT_INTERRUPTED
+    except PenelopeError as err:
+        # CacheFullError, InvariantError: the run failed, not the input.
+        _say(f"penelope: error: {type(err).__name__}: {one_line(err)}")
+        return EXIT_FAULT
+    except BrokenPipeError:
+        # `penelope ... | head`: the reader left; say nothing more on a closed pipe.
+        _silence_stdout()
+        return EXIT_FAULT
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        _say(f"penelope: error: {one_line(where + (err.strerror or str(err)))}")
+        return EXIT_FAULT
+    except MemoryError:
+        _say("penelope: error: out of memory")
+        return EXIT_FAULT
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout again at exit, which would raise on the closed pipe once more.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

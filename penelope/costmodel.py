@@ -59,9 +59,15 @@ class CostModel:
         return sum(self.span_cost(int(start), int(end)) for start, end in spans)
 
 
+# Positions beyond any context a cache can hold (2**31 slots), with room to spare; below this the
+# closed forms stay finite and exact to float precision.
+MAX_POSITION = 2**40
+
+
 def _check_span(start: int, end: int) -> None:
-    if start < 0 or end < start:
-        raise UsageError(f"invalid position span [{start}, {end})")
+    # Written so that NaN fails too.
+    if not 0 <= start <= end <= MAX_POSITION:
+        raise UsageError(f"invalid position span [{start}, {end}): positions are in [0, 2**40]")
 
 
 def _sum_min(start: int, end: int, window: int) -> float:

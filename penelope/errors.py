@@ -15,3 +15,7 @@ class CacheFullError(PenelopeError):
 
 class InvariantError(PenelopeError, AssertionError):
     """An internal consistency check of a data structure failed: a bug, never bad input."""
+
+
+class Interrupted(PenelopeError):
+    """Ctrl-C during a command that kept what it had finished: the CLI prints this one line and exits 130."""

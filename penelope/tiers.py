@@ -47,6 +47,8 @@ import numpy as np
 
 from penelope.cache import EvictResult, KVCache, LockHandle, Span, _count
 from penelope.errors import CacheFullError, InvariantError, UsageError
+from penelope.memory import check_memory
+from penelope.slots import LazyFreeList, LazyTags
 from penelope.tree import BlockState, Node, RadixTree, Released
 
 DEFAULT_SWAP_BUFFER = 1024
@@ -183,60 +185,80 @@ class HostSlots:
 
     Every row is free, cached (it holds the KV of a block on the CPU tier, or a backup) or part of
     the swap buffer (no live data). The buffer is a FIFO of rows (`buffer_slots`) that moves with
-    every exchange. Pool rows are `0 .. capacity + buffer - 1`; the buffer starts at the end."""
+    every exchange. Pool rows are `0 .. capacity + buffer - 1`; the buffer starts at the end. The
+    bookkeeping of the `capacity` rows grows with the rows used (`penelope.slots.LazyFreeList`);
+    the buffer's, 9 bytes a row, is checked against memory."""
 
     _FREE, _CACHED, _BUFFER = 0, 1, 2
 
     def __init__(self, capacity: int, buffer: int = 0):
         self.capacity, self.buffer = int(capacity), int(buffer)
         self.rows = self.capacity + self.buffer
-        self._stack = np.arange(self.capacity, dtype=np.int64)[::-1].copy()
-        self._top = self.capacity
-        self._owner = np.zeros(self.rows, dtype=np.int8)
-        self._owner[self.capacity:] = self._BUFFER
+        check_memory(9 * self.buffer, f"a swap buffer of {self.buffer} host rows")
+        self._stack = LazyFreeList(self.capacity)
+        # Tags of rows below `capacity` (lazy, free by default) and of the rows above (the
+        # initial buffer's, dense).
+        self._low = LazyTags(self.capacity, self._FREE)
+        self._high = np.full(self.buffer, self._BUFFER, dtype=np.int8)
         self.buffer_slots = np.arange(self.capacity, self.rows, dtype=np.int64)
 
     def free_size(self) -> int:
-        return self._top
+        return len(self._stack)
 
     def alloc(self, n: int) -> np.ndarray:
         """`n` free rows, now cached (int64 [n]); the caller checked there are enough."""
-        if n > self._top:
-            raise InvariantError(f"host pool: {n} rows asked, {self._top} free")
-        rows = self._stack[self._top - n:self._top][::-1].copy()
-        self._top -= n
-        self._owner[rows] = self._CACHED
+        if n > len(self._stack):
+            raise InvariantError(f"host pool: {n} rows asked, {len(self._stack)} free")
+        rows = self._stack.pop(n)
+        self._tag(rows, self._CACHED)
         return rows
 
     def release(self, rows: np.ndarray) -> None:
         """Cached rows whose KV is no longer needed go back to the free list."""
-        n = len(rows)
-        self._stack[self._top:self._top + n] = rows[::-1]
-        self._top += n
-        self._owner[rows] = self._FREE
+        self._stack.push(rows)
+        self._tag(rows, self._FREE)
 
     def rotate(self, new_buffer: np.ndarray) -> None:
         """After an exchange: the old buffer rows now hold outgoing blocks, `new_buffer` (rows the
         incoming blocks were read from, and unused old buffer rows) is the buffer."""
-        self._owner[self.buffer_slots] = self._CACHED
-        self._owner[new_buffer] = self._BUFFER
+        self._tag(self.buffer_slots, self._CACHED)
+        self._tag(new_buffer, self._BUFFER)
         self.buffer_slots = new_buffer.copy()
+
+    def _tag(self, rows: np.ndarray, tag: int) -> None:
+        high = rows >= self.capacity
+        self._low.set(rows[~high], tag)
+        self._high[rows[high] - self.capacity] = tag
+
+    def _tags(self, rows: np.ndarray) -> np.ndarray:
+        high = rows >= self.capacity
+        tags = np.empty(len(rows), dtype=np.int8)
+        tags[~high] = self._low.get(rows[~high])
+        tags[high] = self._high[rows[high] - self.capacity]
+        return tags
+
+    def _count(self, tag: int) -> int:
+        return self._low.count(tag) + int(np.count_nonzero(self._high == tag))
 
     def check(self, cached: np.ndarray) -> None:
         """Verify the free list, the buffer and the owner tags against the rows the tree holds."""
-        free = self._stack[:self._top]
-        if len(np.unique(free)) != len(free) or np.any(self._owner[free] != self._FREE):
+        free = self._stack.returned()
+        if len(np.unique(free)) != len(free) or np.any(self._tags(free) != self._FREE):
             raise InvariantError("host pool: free list holds a row twice or a row that is not free")
-        if np.count_nonzero(self._owner == self._FREE) != self._top:
+        # Rows above `capacity` were buffer rows before an exchange; they can be free like any other.
+        never_used = (free >= self._stack.fresh) & (free < self.capacity)
+        if np.any(never_used) or np.any(self._low.array[self._stack.fresh:] != self._FREE):
+            raise InvariantError("host pool: a row never handed out is on the free list or tagged as used")
+        if self._count(self._FREE) != len(self._stack):
             raise InvariantError("host pool: a row tagged free is missing from the free list")
         buf = self.buffer_slots
-        if len(buf) != self.buffer or len(np.unique(buf)) != len(buf) or np.any(self._owner[buf] != self._BUFFER):
+        if len(buf) != self.buffer or len(np.unique(buf)) != len(buf) or np.any(self._tags(buf) != self._BUFFER):
             raise InvariantError("host pool: the swap buffer lost rows or holds a row twice")
-        if np.count_nonzero(self._owner == self._BUFFER) != self.buffer:
+        if self._count(self._BUFFER) != self.buffer:
             raise InvariantError("host pool: a row tagged buffer is not in the swap buffer")
-        if len(np.unique(cached)) != len(cached) or np.any(self._owner[cached] != self._CACHED):
+        if len(np.unique(cached)) != len(cached) or np.any(self._tags(cached) != self._CACHED):
             raise InvariantError("host pool: the tree holds a row twice, a free row or a buffer row")
-        if np.count_nonzero(self._owner == self._CACHED) != len(cached):
+        if self._count(self._CACHED) != len(cached):
             raise InvariantError("host pool: a row tagged cached is not in the tree")
 
 

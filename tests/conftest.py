@@ -18,3 +18,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The hostile-input fuzz suite's count of inputs and outcomes (see fuzz_tally.py), when it ran.
+    A failed run prints it too, but then its counts are not the closing figures."""
+    import sys
+
+    tally = sys.modules.get("fuzz_tally")
+    if tally is None or not tally.TALLY:
+        return
+    terminalreporter.write_sep("-", "hostile-input fuzz")
+    terminalreporter.write_line(tally.summary())
+    path = os.environ.get("PENELOPE_FUZZ_SUMMARY")
+    if path:
+        with open(path, "w") as handle:
+            handle.write(tally.as_json() + "\n")

@@ -153,3 +153,47 @@ def test_bad_models_raise_usage_errors(tmp_path):
         get_model({"hidden_size": 64})
     with pytest.raises(UsageError, match="multiple"):
         get_model({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 2})
+
+
+def _exact_units(c_lin: int, positions: range, full: int, sliding: int, window: int, layers: int):
+    """Recompute units of `positions`, summed token by token in exact rational arithmetic: c_lin
+    plus, averaged over layers, p for a full-attention layer and min(p, window) for a sliding one."""
+    from fractions import Fraction
+
+    attention = sum(full * p + sliding * min(p, window) for p in positions)
+    return c_lin * len(positions) + Fraction(attention, layers)
+
+
+# The README's table (`penelope cost --model M`: 30% evicted from position 2K, plus 512 new tokens).
+README_SPEEDUPS = {
+    "qwen3-8b": (23_552, [1.110, 1.292, 1.624, 2.161, 2.897]),
+    "qwen3-32b": (29_760, [1.090, 1.241, 1.522, 1.993, 2.675]),
+    "qwen3-235b-a22b": (13_600, [1.172, 1.443, 1.909, 2.591, 3.412]),
+    "gemma-3-27b": (50_400, [1.009, 1.026, 1.061, 1.129, 1.260]),
+}
+
+
+@pytest.mark.parametrize("name", list(README_SPEEDUPS))
+def test_predicted_speedups_equal_a_token_by_token_sum(name):
+    """Exact values, not bands: the closed forms against a sum over every recomputed token, and
+    the README's published table to its last digit."""
+    c_lin, published = README_SPEEDUPS[name]
+    shape = get_model(name)
+    model = CostModel(shape)
+    assert model.c_lin == c_lin
+    full = sum(kind == "full" for kind in shape.layer_kinds)
+    sliding = shape.num_layers - full
+    for k, want in zip((8, 16, 32, 64, 128), published, strict=True):
+        context = k * 1024
+        evicted = round(0.3 * context)
+        p = predict_speedup(model, context, 0.3, 2048, 512)
+
+        def units(start, end):
+            return _exact_units(c_lin, range(start, end), full, sliding, shape.sliding_window, shape.num_layers)
+
+        new = units(context, context + 512)
+        front = units(2048, 2048 + evicted) + new
+        tail = units(context - evicted, context) + new
+        assert p.front_cost == pytest.approx(float(front), rel=1e-12)
+        assert p.tail_cost == pytest.approx(float(tail), rel=1e-12)
+        assert round(float(tail / front), 3) == want

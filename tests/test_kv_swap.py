@@ -144,6 +144,18 @@ def test_copy_strided_and_unaligned_buffers():
     assert_bits_equal(dst, expected)
 
 
+def test_copy_into_interleaved_k_and_v_destinations():
+    """K and V of a layer interleaved in one tensor share a memory range but no row: accepted."""
+    gen = torch.Generator().manual_seed(12)
+    src = random_pool(4, 20, (3, 4), torch.float32, gen)
+    dst_kv = random_pool(2, 24, (2, 3, 4), torch.float32, gen)
+    dst = [t[:, 0] for t in dst_kv] + [t[:, 1] for t in dst_kv]
+    src_slots, dst_slots = slot_pair(9, 20, 24, seed=13)
+    expected = reference_copy(src, dst, src_slots, dst_slots)
+    copy_kv_slots(src, dst, src_slots, dst_slots)
+    assert_bits_equal(dst, expected)
+
+
 def test_copy_accepts_non_contiguous_slot_tensors():
     src_slots, dst_slots = slot_pair(40, 64, 80, seed=9)
     run_copy_case("triton", 2, src_slots[::2], dst_slots[::2], torch.float32)
@@ -180,6 +192,11 @@ def _bad_cases():
         "rows not contiguous": (src, [d.transpose(1, 2) for d in dst], ok, ok, "not contiguous"),
         "mixed shapes": (src, [dst[0], dst[1][:8]], ok, ok, "all layers must match"),
         "same pool overlap": (src, src, torch.tensor([0, 1]), torch.tensor([1, 2]), "both read and written"),
+        "stride-0 dst": (src, [torch.zeros(1, 2, 4, dtype=src[0].dtype).expand(16, 2, 4) for _ in dst], ok, ok,
+                         "rows overlap"),
+        "dst layers share memory": (src, [dst[0], dst[0]], ok, ok, "share memory"),
+        "layers crossed within a pool": (src, [src[1], src[0]], ok, ok, "share memory"),
+        "overlapping views": (src, [src[0][1:], src[1][1:]], ok, ok, "different views"),
         "tensor not list": (src[0], dst[0], ok, ok, "list"),
         "empty pool list": ([], [], ok, ok, "empty"),
     }

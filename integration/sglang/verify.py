@@ -7,13 +7,15 @@ SGLang's default radix cache on the small pool. It compares every request's gene
 (identical) and log-probabilities (input, from the tokens new in its turn, and output: within
 `atol`) with the never-evicting run, requires every request to finish, and reports the prefill
 tokens each cache recomputed because of eviction (its prefill tokens minus the never-evicting
-run's; riders and hole chunks included).
+run's; riders and hole chunks included). A small pool that never evicted fails the check: it
+would pass without testing anything.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,7 +57,9 @@ class EngineCheck:
 def run_engine(model: str, traffic: AgentTraffic, setup: EngineSetup, env: dict | None = None,
                timeout: float = 900) -> dict:
     """One Engine run in a child process (``engine_check``); its JSON result. Raises RuntimeError
-    with the end of the child's output when it fails or times out."""
+    with the end of the child's output when it fails or times out. The child and the processes
+    SGLang starts form a process group of their own: a timeout, Ctrl-C or SIGTERM here stops the
+    whole group, so nothing outlives the check."""
     with tempfile.TemporaryDirectory(prefix="penelope-engine-") as tmp:
         out = Path(tmp) / "run.json"
         command = [sys.executable, "-m", "penelope.integration.sglang.engine_check", "--model", str(model),
@@ -64,14 +68,30 @@ def run_engine(model: str, traffic: AgentTraffic, setup: EngineSetup, env: dict 
         child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         if setup.device == "cpu":
             child_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        child = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, start_new_session=True)
         try:
-            done = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout + 120)
-        except subprocess.TimeoutExpired as error:
-            raise RuntimeError(f"the {setup.cache} Engine run timed out after {error.timeout:.0f} s") from None
-        if done.returncode != 0 or not out.exists():
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-            raise RuntimeError(f"the {setup.cache} Engine run failed (exit {done.returncode}):\n{tail}")
+            output, _ = child.communicate(timeout=timeout + 120)
+        except subprocess.TimeoutExpired:
+            _stop_group(child)
+            raise RuntimeError(f"the {setup.cache} Engine run timed out after {timeout + 120:.0f} s") from None
+        except BaseException:
+            _stop_group(child)
+            raise
+        _stop_group(child)
+        if child.returncode != 0 or not out.exists():
+            tail = "\n".join(output.splitlines()[-25:])
+            raise RuntimeError(f"the {setup.cache} Engine run failed (exit {child.returncode}):\n{tail}")
         return json.loads(out.read_text())
+
+
+def _stop_group(child: subprocess.Popen) -> None:
+    """Kill what is left of `child`'s process group (SGLang's scheduler and detokenizer too)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
 
 
 def compare(run: dict, reference: dict, atol: float) -> dict:
@@ -137,9 +157,14 @@ def check(model: str, spec: EngineCheck, timeout: float = 900, progress=None) ->
             report["default_comparison"] = compare(run, reference, spec.atol)
     probes = {r["rid"]: r["output_ids"] for r in reference["requests"] if r["rid"].startswith("probe")}
     report["probe_outputs_differ"] = len(probes) == 2 and probes["probe0"] != probes["probe1"]
+    # A small pool that never evicted checked nothing: no hole was refilled, no block loaded.
+    small_counters = small["counters"] or {}
+    report["evicted_tokens"] = ((small_counters.get("evicted_tokens") or 0)
+                                + (small_counters.get("tier_demoted_tokens") or 0))
     comparison = report["comparison"]
     report["passed"] = (comparison["identical_tokens"] and comparison["logprobs_within_atol"]
                         and comparison["unfinished"] == 0 and comparison["requests"] > 0
+                        and report["evicted_tokens"] > 0
                         and (report["probe_outputs_differ"] or not spec.traffic.probe))
     return report
 

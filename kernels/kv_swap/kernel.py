@@ -127,6 +127,8 @@ def _check_side(name: str, bufs: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"{name}[{i}] is a {type(buf).__name__}, not a tensor")
         if buf.dim() < 2:
             raise ValueError(f"{name}[{i}] has shape {tuple(buf.shape)}; expected [slots, *row]")
+        if buf.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}[{i}] is on {buf.device}: a pool holds its rows on the CPU or a CUDA GPU")
         if buf.shape != first.shape or buf.stride(0) != first.stride(0):
             raise ValueError(
                 f"{name}[{i}] has shape {tuple(buf.shape)} and slot stride {buf.stride(0)}, but "
@@ -138,6 +140,57 @@ def _check_side(name: str, bufs: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"{name}[{i}] is on {buf.device} but {name}[0] is on {first.device}")
         if not _row_is_contiguous(buf):
             raise ValueError(f"{name}[{i}] rows are not contiguous (strides {buf.stride()})")
+
+
+def _byte_range(buf: torch.Tensor, row_bytes: int) -> tuple[int, int]:
+    """[first, last) byte addresses `buf`'s rows occupy."""
+    start = buf.data_ptr()
+    return start, start + (buf.shape[0] - 1) * buf.stride(0) * buf.element_size() + row_bytes
+
+
+def _check_overlaps(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], row_bytes: int) -> tuple[int, ...]:
+    """Layers whose source and destination are the same buffer (one pool, disjoint slots copied
+    within it); raises ``ValueError`` where a write could land on memory another buffer uses:
+    rows of one buffer overlapping each other (a slot stride below the row size, e.g. a stride-0
+    view), two destination layers sharing rows, or a layer's destination rows among another
+    layer's source rows. Buffers interleaved row by row (K and V of a layer in one tensor) share
+    a memory range but no row, and are fine; sources may share anything (they are only read)."""
+    for name, bufs in (("src", src), ("dst", dst)):
+        first = bufs[0]
+        if first.shape[0] > 1 and first.stride(0) * first.element_size() < row_bytes:
+            raise ValueError(f"{name} rows overlap: slot stride {first.stride(0)} elements is below the row size "
+                             f"({row_bytes // first.element_size()} elements)")
+    aliased = set()
+    spans = sorted((*_byte_range(buf, row_bytes), side, layer, buf)
+                   for side, bufs in (("dst", dst), ("src", src)) for layer, buf in enumerate(bufs))
+    active: list[tuple] = []  # earlier buffers whose range reaches past the current start
+    for span in spans:
+        start, _, side, layer, buf = span
+        active = [a for a in active if a[1] > start]
+        for _, _, other_side, other_layer, other in active:
+            if "dst" not in (side, other_side) or not _rows_meet(buf, other, row_bytes):
+                continue
+            if {side, other_side} != {"src", "dst"} or layer != other_layer:
+                raise ValueError(f"{other_side}[{other_layer}] and {side}[{layer}] share memory: every destination "
+                                 "layer needs rows of its own, apart from every other layer's source")
+            if buf.data_ptr() != other.data_ptr() or buf.stride(0) != other.stride(0) or buf.shape != other.shape:
+                raise ValueError(f"src[{layer}] and dst[{layer}] share memory but are different views; only the "
+                                 "same pool (identical buffers) with disjoint slots is supported")
+            aliased.add(layer)
+        active.append(span)
+    return tuple(sorted(aliased))
+
+
+def _rows_meet(a: torch.Tensor, b: torch.Tensor, row_bytes: int) -> bool:
+    """Whether a row of `a` and a row of `b` (overlapping byte ranges) share a byte. With one slot
+    stride, rows meet unless the two bases are offset by a whole row or more within a stride."""
+    stride = a.stride(0) * a.element_size()
+    if a.shape[0] == 1 and b.shape[0] == 1:
+        return True
+    if stride != b.stride(0) * b.element_size():
+        return True  # different strides: assume the worst
+    offset = (b.data_ptr() - a.data_ptr()) % stride
+    return not (row_bytes <= offset <= stride - row_bytes)
 
 
 def check_pools(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> PoolPair:
@@ -164,17 +217,7 @@ def check_pools(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Poo
     common = math.gcd(row_bytes, src_stride, dst_stride, *addresses)
     word_bytes = next(w for w in (8, 4, 2, 1) if common % w == 0)
     address_align = next(a for a in (16, 8, 4, 2, 1) if math.gcd(*addresses) % a == 0)
-    aliased = tuple(
-        layer for layer in range(len(src))
-        if src[layer].untyped_storage().data_ptr() == dst[layer].untyped_storage().data_ptr()
-    )
-    for layer in aliased:
-        a, b = src[layer], dst[layer]
-        if a.data_ptr() != b.data_ptr() or a.stride(0) != b.stride(0):
-            raise ValueError(
-                f"src[{layer}] and dst[{layer}] share storage but are different views; only the "
-                "same pool (identical buffers) with disjoint slots is supported"
-            )
+    aliased = _check_overlaps(src, dst, row_bytes)
     return PoolPair(len(src), s.shape[0], d.shape[0], row_bytes, src_stride, dst_stride, word_bytes,
                     address_align, aliased)
 

@@ -7,8 +7,6 @@ Penelope, the same server model as `penelope simulate`). See `penelope.sim.analy
 
 from __future__ import annotations
 
-import json
-
 from penelope.report import format_table
 from penelope.units import format_size
 
@@ -42,9 +40,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from penelope.commands.simulate import percent, prepare, progress_bar
+    from penelope.commands.simulate import percent, prepare, progress_bar, write_json
     from penelope.errors import UsageError
+    from penelope.outputs import check_outputs
     from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
+    from penelope.sim.options import workload_inputs
     from penelope.sim.run import baseline_of, json_ready, run_policies
     from penelope.sim.workloads import workload_stats
 
@@ -53,6 +53,7 @@ def run(args) -> int:
     if args.gpu_cache and "," in args.gpu_cache:
         raise UsageError("--gpu-cache: analyze estimates the gain at one capacity")
     args.cpu_cache = "0"
+    check_outputs({"--json": args.json}, workload_inputs(args, args.path))
     setup = prepare(args)
     workload = setup["workload"]
     capacity = setup["capacities"][0]
@@ -109,8 +110,7 @@ def run(args) -> int:
             "reuse_distance": reuse,
             "estimate": {name: result.as_dict() for name, result in results.items()},
         }
-        with open(args.json, "w") as handle:
-            json.dump(json_ready(payload), handle, indent=2)
+        write_json(args.json, json_ready(payload))
         print(f"wrote {args.json}")
     return 0
 

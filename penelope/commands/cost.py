@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from penelope.costmodel import CostModel, predict_speedup
-from penelope.models import get_model
+from penelope.models import get_model, model_path
+from penelope.outputs import check_outputs, save_figure, write_text
 from penelope.report import format_table
 from penelope.units import format_size, parse_size, parse_size_list
 
@@ -31,6 +32,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    check_outputs({"--json": args.json, "--plot": args.plot}, {"--model": model_path(args.model)})
     shape = get_model(args.model)
     cost = CostModel(shape)
     contexts = parse_size_list(args.contexts, "--contexts")
@@ -73,8 +75,7 @@ def run(args) -> int:
                 for p in predictions
             ],
         }
-        with open(args.json, "w") as handle:
-            json.dump(payload, handle, indent=2)
+        write_text(args.json, json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
     if args.plot:
         _plot(args.plot, shape.name, predictions)
@@ -94,5 +95,5 @@ def _plot(path: str, model: str, predictions) -> None:
     ax.set_title(f"{model}: recompute cost of the next request")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -7,11 +7,11 @@ an ensemble of DEFAULT_REPEAT seeded, perturbed runs (`--repeat`), so every figu
 95% interval. Every step writes its JSON and plot into the output folder and prints its table."""
 from __future__ import annotations
 
-from pathlib import Path
-
 # Runs per replay setting: intervals narrow enough to tell the policies apart, and the whole job
 # within a few minutes on a 2-core machine.
 DEFAULT_REPEAT = 6
+# What the steps write into --out.
+RESULT_FILES = ("cost.json", "cost.png", "simulate.json", "simulate.png", "ablation.json", "ablation.png")
 
 
 def add_parser(subparsers) -> None:
@@ -37,10 +37,22 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from penelope.cli import main
+    from penelope.cli import build_parser, main
+    from penelope.errors import UsageError
+    from penelope.models import get_model, model_path
+    from penelope.outputs import check_folder, check_outputs
+    from penelope.units import parse_size, parse_size_list
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # Every input is checked before the first step, so a bad one costs nothing and no step's
+    # results are replaced before the run stops.
+    get_model(args.model)
+    parse_size_list(args.sweep, "--sweep")
+    parse_size(args.ablation_cache, "--ablation-cache")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
+    out = check_folder("--out", args.out)
+    check_outputs({f"--out {args.out}: {name}": str(out / name) for name in RESULT_FILES},
+                  {"--model": model_path(args.model)})
     replay = ["--no-progress"] if args.no_progress else []
     if args.limit_sessions:
         replay += ["--limit-sessions", str(args.limit_sessions)]
@@ -59,6 +71,13 @@ def run(args) -> int:
                            "--policies", "ablation", "--json", str(out / "ablation.json"),
                            "--plot", str(out / "ablation.png"), *replay]),
     ]
+    parser = build_parser()
+    for _, argv in steps:
+        try:
+            parser.parse_args(argv)
+        except SystemExit as error:
+            # The parser has said what is wrong, in one line.
+            return error.code if isinstance(error.code, int) else 2
     for number, (title, argv) in enumerate(steps, 1):
         print(f"\n== {number}/{len(steps)} {title}: penelope {' '.join(argv)}", flush=True)
         rc = main(argv)

@@ -16,6 +16,11 @@ import sys
 from penelope.report import format_table
 from penelope.units import format_size
 
+# Ranges of the ensemble options: 10,000 runs per setting narrow an interval 40x below 6 runs'
+# already; each worker process holds the whole workload and its own caches.
+MAX_REPEAT = 10_000
+MAX_JOBS = 256
+
 
 def add_parser(subparsers) -> None:
     from penelope.sim.options import add_workload_arguments
@@ -110,6 +115,8 @@ def ensemble_options(args):
     repeat = args.repeat
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    if repeat > MAX_REPEAT:
+        raise UsageError(f"--repeat must be at most {MAX_REPEAT:,}, got {repeat:,}")
     given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
                                       ("--perturb-seed", args.perturb_seed), ("--jobs", args.jobs))
              if value is not None]
@@ -125,16 +132,21 @@ def ensemble_options(args):
     jobs = default_jobs() if args.jobs is None else args.jobs
     if jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
+    if jobs > MAX_JOBS:
+        raise UsageError(f"--jobs must be at most {MAX_JOBS}, got {jobs:,} (each worker holds the whole workload)")
     return repeat, perturbation, jobs
 
 
 def run(args) -> int:
+    from penelope.outputs import check_outputs
+    from penelope.sim.options import workload_inputs
     from penelope.sim.run import parse_policies, run_policies
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
     repeat, perturbation, jobs = ensemble_options(args)
-    setup = prepare(args)
+    check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
+    setup = prepare(args, workers=jobs, tasks=repeat * len(policies))
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
     capacities = setup["capacities"]
@@ -151,6 +163,9 @@ def run(args) -> int:
             config = setup["make_config"](capacity)
             results = run_policies(workload, policies, config, time_model, setup["cost"], progress=bar)
             sweep.append((capacity, results))
+    except KeyboardInterrupt:
+        finished = [(capacity, {name: r.as_dict() for name, r in results.items()}) for capacity, results in sweep]
+        raise interrupted(args.json, config_json, capacities, finished) from None
     finally:
         if bar is not None:
             bar.close()
@@ -163,21 +178,47 @@ def run(args) -> int:
     )
 
     if args.json:
-        payload = {"config": config_json}
-        if len(sweep) == 1:
-            payload["results"] = {name: r.as_dict() for name, r in sweep[0][1].items()}
-        else:
-            payload["sweep"] = [
-                {"gpu_cache": capacity, "results": {name: r.as_dict() for name, r in results.items()}}
-                for capacity, results in sweep
-            ]
-        with open(args.json, "w") as handle:
-            json.dump(payload, handle, indent=2)
+        finished = [(capacity, {name: r.as_dict() for name, r in results.items()}) for capacity, results in sweep]
+        write_json(args.json, sweep_payload(config_json, capacities, finished))
         print(f"wrote {args.json}")
     if args.plot:
         plot_results(args.plot, sweep, setup["shape"].name)
         print(f"wrote {args.plot}")
     return 0
+
+
+def sweep_payload(config: dict, capacities: list[int], finished: list[tuple[int, dict]]) -> dict:
+    """The JSON of a run: one capacity's `results`, or a `sweep` of every finished capacity."""
+    payload = {"config": config}
+    if len(capacities) == 1:
+        payload["results"] = finished[0][1]
+    else:
+        payload["sweep"] = [{"gpu_cache": capacity, "results": results} for capacity, results in finished]
+    return payload
+
+
+def write_json(path: str, payload: dict) -> None:
+    from penelope.outputs import write_text
+
+    write_text(path, json.dumps(payload, indent=2))
+
+
+def interrupted(path: str | None, config: dict, capacities: list[int], finished: list[tuple[int, dict]]):
+    """Ctrl-C during the replays: write the capacities that finished (with `interrupted` saying
+    which did not) to `path`, and return the one-line `Interrupted` to raise."""
+    from penelope.errors import Interrupted
+
+    if not path:
+        return Interrupted("interrupted")
+    if not finished:
+        return Interrupted(f"interrupted before any capacity finished; {path} not written")
+    done = [capacity for capacity, _ in finished]
+    payload = sweep_payload(config, capacities, sorted(finished, key=lambda item: capacities.index(item[0])))
+    payload["interrupted"] = {"finished": done, "not_run": [c for c in capacities if c not in done]}
+    write_json(path, payload)
+    sizes = ", ".join(format_size(capacity) for capacity in done)
+    return Interrupted(f"interrupted; wrote the {len(done)} of {len(capacities)} capacities that finished "
+                       f"({sizes}) to {path}")
 
 
 def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbation, jobs: int) -> int:
@@ -196,11 +237,16 @@ def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbati
     }
     print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
     bar = progress_bar(workload.num_requests * len(policies) * len(capacities) * repeat, args.no_progress)
+    finished: dict[int, object] = {}
     try:
         ensembles = run_ensembles(
             workload, policies, [setup["make_config"](c) for c in capacities], setup["time_model"], setup["cost"],
             repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
+            on_ensemble=finished.__setitem__,
         )
+    except KeyboardInterrupt:
+        done = [(capacities[c], {name: finished[c].policy_dict(name) for name in policies}) for c in sorted(finished)]
+        raise interrupted(args.json, config_json, capacities, done) from None
     finally:
         if bar is not None:
             bar.close()
@@ -213,16 +259,9 @@ def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbati
         "a change is a win or a loss only when its interval excludes zero"
     )
     if args.json:
-        payload = {"config": config_json}
-        if len(sweep) == 1:
-            payload["results"] = {name: sweep[0][1].policy_dict(name) for name in policies}
-        else:
-            payload["sweep"] = [
-                {"gpu_cache": capacity, "results": {name: ensemble.policy_dict(name) for name in policies}}
-                for capacity, ensemble in sweep
-            ]
-        with open(args.json, "w") as handle:
-            json.dump(payload, handle, indent=2)
+        finished_dicts = [(capacity, {name: ensemble.policy_dict(name) for name in policies})
+                          for capacity, ensemble in sweep]
+        write_json(args.json, sweep_payload(config_json, capacities, finished_dicts))
         print(f"wrote {args.json}")
     if args.plot:
         plot_ensembles(args.plot, sweep, setup["shape"].name)
@@ -230,15 +269,20 @@ def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbati
     return 0
 
 
-def prepare(args) -> dict:
+def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
     """Everything both `simulate` and `analyze` need from the options: the workload, the model,
     the time and cost models, the GPU capacities (the model's default when none is given) and a
-    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded."""
+    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded, and
+    the memory the replays may reach (in up to `workers` processes running `tasks` replays per
+    capacity) is checked before they start."""
     import dataclasses
 
     from penelope.costmodel import CostModel
+    from penelope.errors import UsageError
+    from penelope.memory import check_memory
     from penelope.models import get_model
     from penelope.sim.options import load_from_args
+    from penelope.sim.replay import replay_memory
     from penelope.sim.run import SimConfig, default_gpu_cache
     from penelope.sim.timemodel import TimeModel
     from penelope.units import parse_size, parse_size_list
@@ -269,6 +313,18 @@ def prepare(args) -> dict:
     for capacity in capacities:
         make_config(capacity)
     workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
+    smallest = min(r.input_tokens + r.output_tokens for _, _, r in workload.requests())
+    for capacity in capacities:
+        if capacity < smallest:
+            raise UsageError(f"--gpu-cache {format_size(capacity)}: no request of the workload fits in it (the "
+                             f"smallest needs {smallest:,} tokens of input and output)")
+    # Caches grow as they fill: what the largest one may reach must fit, in every worker process.
+    workers = min(workers, tasks * len(capacities))
+    concurrent = args.sessions if workload.closed_loop else 64
+    need = replay_memory(workload, max(capacities) + cpu_cache, max(1, concurrent)) * workers
+    where = f" in {workers} processes" if workers > 1 else ""
+    check_memory(need, f"replaying {workload.num_requests:,} requests in a cache of "
+                 f"{format_size(max(capacities) + cpu_cache)} tokens{where}")
     config = {
         "workload": description,
         "model": shape.name,
@@ -422,6 +478,7 @@ def percent(change: float) -> str:
 def plot_results(path: str, sweep: list, model: str) -> None:
     """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity); with an
     oracle, also the recompute cost with the oracle bracket shaded."""
+    from penelope.outputs import save_figure
     from penelope.plotting import pyplot
     from penelope.sim.bracket import oracle_of
 
@@ -453,5 +510,5 @@ def plot_results(path: str, sweep: list, model: str) -> None:
     left.legend(fontsize=8)
     fig.suptitle(f"{model}: trace replay by eviction policy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

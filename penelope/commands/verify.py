@@ -33,10 +33,35 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from penelope.errors import UsageError
+from penelope.memory import check_memory
+from penelope.outputs import write_text
 
 ATTENTION_CHOICES = ("naive", "triton")
+# Range of every integer option: the tiny model runs on a CPU in seconds; beyond these a run
+# takes hours (sessions, turns) or cannot be held by any cache (token counts).
+_TOKENS = 2**31 - 1
+OPTION_RANGES = {
+    "sessions": (1, 4096),
+    "turns": (1, 4096),
+    "cache_tokens": (1, _TOKENS),
+    "seed": (0, 2**63 - 1),
+    "block_size": (1, 1 << 16),
+    "system_tokens": (0, _TOKENS),
+    "message_tokens": (1, _TOKENS),
+    "reply_tokens": (1, _TOKENS),
+    "cpu_cache": (0, _TOKENS),
+    "swap_buffer": (0, _TOKENS),
+}
+
+
+def check_device(device: str) -> None:
+    """Raise UsageError unless `device` is `cpu`, `cuda` or `cuda:N` (torch's spelling)."""
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (index.isdigit() and kind == "cuda")):
+        raise UsageError(f"--device {device}: not a device the engine runs on (cpu, cuda, cuda:N)")
 COPY_CHOICES = ("triton", "naive")
 ENGINE_CHOICES = ("reference", "sglang")
 
@@ -70,18 +95,16 @@ class VerifyOptions:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
             raise UsageError(f"unknown attention {self.attention!r}; choose from {list(ATTENTION_CHOICES)}")
-        for name in ("cache_tokens", "block_size"):
+        for name, (low, high) in OPTION_RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise UsageError(f"seed must be a non-negative integer, got {self.seed!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "positive" if low == 1 else "non-negative"
+                raise UsageError(f"{name} must be a {kind} integer, got {value!r}")
+            if value > high:
+                raise UsageError(f"{name} must be at most {high}, got {value}")
+        check_device(self.device)
         if self.copy not in COPY_CHOICES:
             raise UsageError(f"unknown copy function {self.copy!r}; choose from {list(COPY_CHOICES)}")
-        for name in ("cpu_cache", "swap_buffer"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"{name} must be a non-negative integer, got {value!r}")
         if self.cpu_cache:
             # TwoTierCache says the same, but only after the model is built.
             if self.cpu_cache < self.block_size:
@@ -221,6 +244,13 @@ def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
     if longest > config.max_position_embeddings:
         raise UsageError(f"a session grows to up to {longest} tokens, beyond the model's "
                          f"{config.max_position_embeddings} positions")
+    big = reference_capacity(workload, options.block_size)
+    # Both runs' K/V pools (the small cache with its CPU tier, the never-evicting one) in the
+    # weights' dtype (fp32): check them against memory before allocating.
+    row_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    rows = options.cache_tokens + options.cpu_cache + options.swap_buffer + big
+    check_memory(rows * row_bytes, f"K/V pools of {rows:,} token rows (--cache-tokens, --cpu-cache, --swap-buffer "
+                 "and a never-evicting reference)")
     device = torch.device(options.device)
     weights = random_weights(config, seed=options.seed, device=device)
     model = Qwen3Decoder(config, weights, attention=options.attention, deterministic=True)
@@ -242,7 +272,6 @@ def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
         return record, cache, server
 
     small, small_cache, small_server = run(options.cache_tokens, options.cpu_cache)
-    big = reference_capacity(workload, options.block_size)
     reference, reference_cache, _ = run(big)
     if reference_cache.stats.evicted_tokens:
         raise InvariantError(f"the reference cache of {big} tokens evicted {reference_cache.stats.evicted_tokens}")
@@ -325,57 +354,150 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    import torch
-
+    from penelope.outputs import check_outputs
     from penelope.policy import policy_names
 
+    check_outputs({"--json": args.json}, {"--model": args.model})
     if args.policy not in policy_names(aliases=True):
         raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
+    check_device(args.device)
+    check_engine_options(args)
     if args.engine == "sglang":
         return run_sglang(args)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: no CUDA device is available")
-    triton_copy = args.copy == "triton" and args.cpu_cache > 0
-    if (args.attention == "triton" or triton_copy) and not args.device.startswith("cuda"):
-        # Triton kernels on CPU tensors only run in the interpreter; it must be chosen before the
-        # kernel package is first imported (the engine imports it on the first triton call).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     options = VerifyOptions(
         sessions=args.sessions, turns=args.turns, cache_tokens=args.cache_tokens, policy=args.policy,
         attention=args.attention, seed=args.seed, block_size=args.block_size, system_tokens=args.system_tokens,
         message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, device=args.device,
         cpu_cache=args.cpu_cache, swap_buffer=args.swap_buffer, copy=args.copy,
     )
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available")
+    index = args.device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    triton_copy = args.copy == "triton" and args.cpu_cache > 0
+    if (args.attention == "triton" or triton_copy) and not args.device.startswith("cuda"):
+        # Triton kernels on CPU tensors only run in the interpreter; it must be chosen before the
+        # kernel package is first imported (the engine imports it on the first triton call).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # The tiny model's one-row products gain nothing from intra-op threads; on a busy machine
     # extra threads only wait for each other (measured: 10x slower with 2 threads on 2 shared cores).
     torch.set_num_threads(1)
     report = verify(options)
     print(summary(options, report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report.as_dict(), handle, indent=2)
+        write_text(args.json, json.dumps(report.as_dict(), indent=2))
         print(f"wrote {args.json}")
     return 0 if report.identical else 1
 
 
+# Options only one engine reads, with their defaults: setting one for the other engine is an error,
+# not silently ignored.
+REFERENCE_ONLY = {"attention": "--attention", "block_size": "--block-size", "swap_buffer": "--swap-buffer",
+                  "copy": "--copy"}
+SGLANG_ONLY = {"model": ("--model", None), "page_size": ("--page-size", 64), "chunk": ("--chunk", 128),
+               "rows": ("--rows", 8), "atol": ("--atol", 1e-3), "no_default": ("--no-default", False),
+               "engine_arg": ("--engine-arg", [])}
+# Engine arguments the check sets itself, and the option that sets each.
+OWN_ENGINE_ARGS = {"model_path": "--model", "max_total_tokens": "--cache-tokens", "page_size": "--page-size",
+                   "chunked_prefill_size": "--chunk", "max_running_requests": "--rows", "device": "--device",
+                   "radix_cache_backend": "--engine", "radix_eviction_policy_config": "--policy and --cpu-cache",
+                   "skip_tokenizer_init": None}
+
+
+def check_engine_options(args) -> None:
+    """Refuse an option of one engine given with the other (it would be ignored)."""
+    if args.engine == "sglang":
+        defaults = VerifyOptions()
+        for name, flag in REFERENCE_ONLY.items():
+            if getattr(args, name) != getattr(defaults, name):
+                raise UsageError(f"{flag} applies to --engine reference only (SGLang's Engine ignores it)")
+        return
+    for name, (flag, default) in SGLANG_ONLY.items():
+        if getattr(args, name) != default:
+            raise UsageError(f"{flag} applies to --engine sglang only")
+
+
+def check_sglang_options(args) -> None:
+    """Ranges of the `--engine sglang` options (before SGLang is imported)."""
+    for flag, value, low, high in (("--page-size", args.page_size, 1, 1 << 16), ("--rows", args.rows, 1, 4096),
+                                   ("--sessions", args.sessions, 1, 4096), ("--turns", args.turns, 1, 4096),
+                                   ("--cache-tokens", args.cache_tokens, 1, 2**31 - 1),
+                                   ("--seed", args.seed, 0, 2**63 - 1),
+                                   ("--system-tokens", args.system_tokens, 0, 2**31 - 1),
+                                   ("--message-tokens", args.message_tokens, 1, 2**31 - 1),
+                                   ("--reply-tokens", args.reply_tokens, 1, 2**31 - 1)):
+        if not low <= value <= high:
+            raise UsageError(f"{flag} must be in [{low}, {high}], got {value}")
+    if args.chunk != -1 and not 1 <= args.chunk <= 2**31 - 1:
+        raise UsageError(f"--chunk must be -1 (off) or a positive number of tokens, got {args.chunk}")
+    if not 0 <= args.atol < math.inf:
+        raise UsageError(f"--atol must be a finite non-negative number, got {args.atol}")
+    if args.chunk != -1 and args.chunk % args.page_size:
+        raise UsageError(f"--chunk {args.chunk} is not a multiple of --page-size {args.page_size}")
+    if args.device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: --engine sglang runs on cpu or cuda; pick the GPU with "
+                         "--engine-arg base_gpu_id=N")
+    if args.cpu_cache and args.cpu_cache % args.page_size:
+        raise UsageError(f"--cpu-cache {args.cpu_cache} is not a multiple of --page-size {args.page_size}")
+    longest = (args.system_tokens + args.message_tokens
+               + (args.turns - 1) * (args.message_tokens + args.reply_tokens) + args.reply_tokens)
+    need = -(-longest // args.page_size) * args.page_size + args.page_size
+    if args.cache_tokens < need:
+        raise UsageError(f"--cache-tokens {args.cache_tokens} cannot hold the longest request ({longest} tokens "
+                         f"with its reply); use at least {need}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model}: not a checkpoint folder (no config.json in it)")
+
+
+def check_engine_arg_keys(extra: dict) -> None:
+    """Every `--engine-arg` key is a field of SGLang's ServerArgs the check does not set itself."""
+    for key in extra:
+        if key in OWN_ENGINE_ARGS:
+            flag = OWN_ENGINE_ARGS[key]
+            raise UsageError(f"--engine-arg {key}: the check sets it" + (f"; use {flag}" if flag else ""))
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as error:
+        raise UsageError(f"--engine sglang needs SGLang 0.5.23 installed ({error})") from None
+    # ServerArgs is a msgspec Struct in 0.5.23; its annotations name every argument either way.
+    known = set(getattr(ServerArgs, "__struct_fields__", ())) | set(getattr(ServerArgs, "__annotations__", {}))
+    for key in extra:
+        if key not in known:
+            raise UsageError(f"--engine-arg {key}: not an argument of sglang.Engine (ServerArgs)")
+
+
+def engine_args(items: list[str]) -> dict:
+    """`--engine-arg KEY=JSON` options as a dict (a value that is not JSON is taken as text)."""
+    extra = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=JSON")
+        try:
+            extra[key] = json.loads(value)
+        except RecursionError:
+            raise UsageError(f"--engine-arg {key}: JSON nested too deeply") from None
+        except ValueError:
+            # Not JSON: the text itself.
+            extra[key] = value
+    return extra
+
+
 def run_sglang(args) -> int:
     """`--engine sglang`: three Engines (two with --no-default), compared; exit 1 on a difference."""
+    check_sglang_options(args)
+    extra = engine_args(args.engine_arg)
+    check_engine_arg_keys(extra)
     import sys
     import tempfile
 
     from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
     from penelope.integration.sglang.verify import EngineCheck, check, tiny_model
 
-    extra = {}
-    for item in args.engine_arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise UsageError(f"--engine-arg {item!r}: expected KEY=JSON")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
-    device = "cpu" if args.device == "cpu" else "cuda"
+    device = args.device
     traffic = AgentTraffic(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                            first_tokens=args.message_tokens, growth_tokens=args.message_tokens,
                            max_new_tokens=args.reply_tokens, seed=args.seed)
@@ -393,8 +515,7 @@ def run_sglang(args) -> int:
             return 1
     print(sglang_summary(report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        write_text(args.json, json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0 if report["passed"] else 1
 
@@ -417,6 +538,8 @@ def sglang_summary(report: dict) -> str:
     tokens = "identical" if comparison["identical_tokens"] else f"DIFFERENT in {comparison['different']}"
     lines.append(f"{comparison['requests']} requests, {comparison['unfinished']} unfinished; tokens {tokens}; "
                  f"max |logprob diff| {comparison['max_logprob_diff']:.3g} (atol {report['atol']})")
+    if not report.get("evicted_tokens"):
+        lines.append("the small pool never evicted, so nothing was refilled or loaded: lower --cache-tokens")
     if not report["probe_outputs_differ"]:
         lines.append("the model's outputs do not depend on early tokens: this check cannot see wrong KV")
     lines.append("PASS" if report["passed"] else "FAIL")

@@ -17,10 +17,13 @@ per-request records before sending a result back; the summaries stay.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import queue as queue_module
+import signal
+import threading
 from dataclasses import dataclass
 
 from penelope.costmodel import CostModel
@@ -169,17 +172,30 @@ class _QueueProgress:
 
 
 _WORKER: _Replayer | None = None
+# Whether the worker is running a task: Ctrl-C reaches every process of the terminal's group, and
+# a worker waiting for its next task would otherwise print a KeyboardInterrupt traceback.
+_IN_TASK = False
 
 
 def _start_worker(workload, configs, time_model, cost_model, perturbation, channel) -> None:
     global _WORKER
     _WORKER = _Replayer(workload, configs, time_model, cost_model, perturbation, _QueueProgress(channel))
+    signal.signal(signal.SIGINT, _interrupt_task)
+
+
+def _interrupt_task(signum, frame) -> None:
+    # Stop the task now (the parent stops waiting for it anyway); between tasks, nothing to stop.
+    if _IN_TASK:
+        raise KeyboardInterrupt
 
 
 def _run_in_worker(task):
+    global _IN_TASK
+    _IN_TASK = True
     try:
         return _WORKER.run(task)
     finally:
+        _IN_TASK = False
         _WORKER.progress.flush()
 
 
@@ -193,42 +209,68 @@ def run_ensembles(
     perturbation: Perturbation | None = None,
     jobs: int = 1,
     progress=None,
+    on_ensemble=None,
 ) -> list[Ensemble]:
     """One `Ensemble` per configuration: `repeat` runs of every policy (`policies` must include the
     baseline), run i perturbed by `perturbation` (None: every run is the nominal replay).
 
     jobs: worker processes (1: in this process); progress: anything with `update(n)` (a tqdm bar),
-    told of every finished or skipped request of every replay."""
+    told of every finished or skipped request of every replay; on_ensemble: called with
+    (configuration index, Ensemble) as soon as every run of a configuration is done (so a caller
+    interrupted later keeps what finished)."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise UsageError(f"--repeat must be a positive integer, got {repeat!r}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise UsageError(f"--jobs must be a positive integer, got {jobs!r}")
     tasks = [(c, run, policy) for c in range(len(configs)) for run in range(repeat) for policy in policies]
     jobs = min(jobs, len(tasks))
-    if jobs == 1:
-        replayer = _Replayer(workload, configs, time_model, cost_model, perturbation, progress)
-        results = [replayer.run(task) for task in tasks]
-    else:
-        results = _run_parallel(tasks, jobs, (workload, configs, time_model, cost_model, perturbation), progress)
-    by_task = dict(zip(tasks, results, strict=True))
-    ensembles = []
-    for c, config in enumerate(configs):
+    by_task: dict[tuple[int, int, str], PolicyResult] = {}
+    left = [repeat * len(policies)] * len(configs)
+    ensembles: dict[int, Ensemble] = {}
+
+    def done(task, result: PolicyResult) -> None:
+        by_task[task] = result
+        c = task[0]
+        left[c] -= 1
+        if left[c]:
+            return
         runs = []
         for run in range(repeat):
             outcome = {policy: by_task[c, run, policy] for policy in policies}
             compare_with_baseline(outcome)
             compare_with_oracle(outcome)
             runs.append(outcome)
-        ensembles.append(Ensemble(config, runs, perturbation))
-    return ensembles
+        ensembles[c] = Ensemble(configs[c], runs, perturbation)
+        if on_ensemble is not None:
+            on_ensemble(c, ensembles[c])
+
+    if jobs == 1:
+        replayer = _Replayer(workload, configs, time_model, cost_model, perturbation, progress)
+        for task in tasks:
+            done(task, replayer.run(task))
+    else:
+        _run_parallel(tasks, jobs, (workload, configs, time_model, cost_model, perturbation), progress, done)
+    return [ensembles[c] for c in range(len(configs))]
 
 
-def _run_parallel(tasks, jobs: int, shared: tuple, progress) -> list[PolicyResult]:
+@contextlib.contextmanager
+def _sigint_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_parallel(tasks, jobs: int, shared: tuple, progress, done) -> None:
+    """Run `tasks` in `jobs` worker processes; `done(task, result)` as each finishes."""
     # Spawned workers: nothing of this process's state (threads, locks, a progress bar) is
     # inherited; each receives the shared inputs once, pickled.
     context = multiprocessing.get_context("spawn")
     channel = context.Queue()
-    results: list[PolicyResult | None] = [None] * len(tasks)
 
     def drain() -> None:
         while True:
@@ -242,16 +284,20 @@ def _run_parallel(tasks, jobs: int, shared: tuple, progress) -> list[PolicyResul
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(*shared, channel)
     ) as pool:
-        futures = {pool.submit(_run_in_worker, task): index for index, task in enumerate(tasks)}
+        # Workers start while submitting; they inherit an ignored SIGINT until their initializer
+        # installs `_interrupt_task`, so a Ctrl-C while they import prints no traceback there.
+        with _sigint_ignored():
+            futures = {pool.submit(_run_in_worker, task): index for index, task in enumerate(tasks)}
         pending = set(futures)
         try:
             while pending:
-                done, pending = concurrent.futures.wait(
+                finished, pending = concurrent.futures.wait(
                     pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
                 )
                 drain()
-                for future in done:
-                    results[futures[future]] = future.result()
+                for future in finished:
+                    index = futures[future]
+                    done(tasks[index], future.result())
         except BaseException:
             for future in pending:
                 future.cancel()
@@ -259,4 +305,3 @@ def _run_parallel(tasks, jobs: int, shared: tuple, progress) -> list[PolicyResul
     # The pool has shut down, so every worker's messages are in the pipe.
     drain()
     channel.close()
-    return results

@@ -130,6 +130,7 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
     """Against the GPU capacity, per policy: mean TTFT, its paired change against SGLang, and the
     hit rate, each with its interval as error bars; with an oracle, also the recompute cost with
     the oracle bracket (lower bound to oracle) shaded."""
+    from penelope.outputs import save_figure
     from penelope.plotting import pyplot
 
     plt = pyplot()
@@ -174,5 +175,5 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
     left.legend(fontsize=8)
     fig.suptitle(f"{model}: trace replay by eviction policy ({repeat} runs, 95% intervals)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -7,22 +7,24 @@ block has none), and optionally a session field (`session_id`, `chat_id` or `con
 Ids are global: equal ids in different requests are the same content, which is how these traces
 encode shared prefixes, so they are used as keys unchanged. Blank lines are allowed.
 
-Every request is sent at `timestamp / 1000` seconds whatever the replies do. Requests with a
-session field are grouped into that session in arrival order (for session completion time);
-requests without one form a session each. Requests over `max_context` input tokens are left out
-and counted under `dropped["over_max_context"]`.
+Every request is sent at `timestamp / 1000` seconds whatever the replies do; timestamps must stay
+below 2**32 s (136 years, `penelope.sim.replay.MAX_CLOCK`), which epoch milliseconds do and epoch
+micro- or nanoseconds do not (they would be taken for ms, and TTFT lost to rounding). Requests
+with a session field are grouped into that session in arrival order (for session completion
+time); requests without one form a session each. A session value is a string or an integer, and
+one file may not use both forms of one value (`1` and `"1"`: one session or two?). Requests over
+`max_context` input tokens are left out and counted under `dropped["over_max_context"]`.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
-
 from penelope.errors import UsageError
+from penelope.jsonfile import parse_json
 from penelope.sim.workloads import (
     HUMAN,
+    MAX_CLOCK,
     Request,
     Session,
     Workload,
@@ -34,6 +36,8 @@ from penelope.sim.workloads import (
 SESSION_FIELDS = ("session_id", "chat_id", "conversation_id")
 # Ids must stay below this so that tail keys (above it) never collide with them.
 MAX_ID = 1 << 40
+# Token counts of one request: no context comes near 2G tokens.
+MAX_TOKENS = 2**31 - 1
 
 
 def load_mooncake(path: str | Path, *, block_size: int = 512, max_context: int | None = None) -> Workload:
@@ -49,27 +53,40 @@ def load_mooncake(path: str | Path, *, block_size: int = 512, max_context: int |
     if max_context is not None and max_context <= 0:
         raise UsageError(f"max_context must be positive, got {max_context}")
     summary = WorkloadSummary(format="mooncake", sources=[str(path)])
-    # session id -> [(arrival, line number, request)]
-    grouped: dict[str, list[tuple[float, int, Request]]] = {}
+    # (field, value) or line number -> [(arrival, line number, request)]
+    grouped: dict[object, list[tuple[float, int, Request]]] = {}
     ordinal = 0
-    with path.open() as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            here = f"{path.name}:{number}"
-            request, session_id = _parse_line(line, here, block_size, ordinal)
-            ordinal += 1
-            if max_context is not None and request.input_tokens > max_context:
-                summary.drop("over_max_context")
-                continue
-            key = session_id or f"line{number}"
-            grouped.setdefault(key, []).append((request.arrival, number, request))
+    try:
+        # Bytes, decoded line by line, so that a bad byte is reported with its line.
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                here = f"{path.name}:{number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise WorkloadError(f"{here}: not UTF-8 text (byte {err.start} of the line)") from None
+                if not line.strip():
+                    continue
+                request, session = _parse_line(line, here, block_size, ordinal)
+                ordinal += 1
+                if max_context is not None and request.input_tokens > max_context:
+                    summary.drop("over_max_context")
+                    continue
+                grouped.setdefault(session or number, []).append((request.arrival, number, request))
+    except OSError as err:
+        raise WorkloadError(f"{path}: cannot read it ({err.strerror})") from None
     if not grouped:
         raise WorkloadError(f"{path}: no requests")
     sessions = []
-    for session_id, items in grouped.items():
+    names: dict[str, int] = {}
+    for key, items in grouped.items():
         items.sort(key=lambda item: (item[0], item[1]))
-        sessions.append(Session(id=session_id, requests=tuple(item[2] for item in items)))
+        name = f"{key[0]}={key[1]}" if isinstance(key, tuple) else f"line{key}"
+        if name in names:
+            raise WorkloadError(f"{path.name}:{names[name]} and {path.name}:{items[0][1]}: {key[0]} {key[1]!r} appears "
+                                "both as a string and as an integer; write one form, so the sessions are unambiguous")
+        names[name] = items[0][1]
+        sessions.append(Session(id=name, requests=tuple(item[2] for item in items)))
     # Sessions in order of their first arrival, so a replay can walk them in time order.
     sessions.sort(key=lambda s: s.requests[0].arrival)
     summary.sessions = len(sessions)
@@ -77,24 +94,22 @@ def load_mooncake(path: str | Path, *, block_size: int = 512, max_context: int |
     return Workload(sessions=tuple(sessions), block_size=block_size, closed_loop=False, summary=summary)
 
 
-def _parse_line(line: str, here: str, block_size: int, ordinal: int) -> tuple[Request, str | None]:
+def _parse_line(line: str, here: str, block_size: int, ordinal: int) -> tuple[Request, tuple | None]:
     """The request on one line and its session (None without a session field)."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise WorkloadError(f"{here}: not valid JSON ({err.msg})") from None
+    obj = parse_json(line, here, WorkloadError)
     if not isinstance(obj, dict):
         raise WorkloadError(f"{here}: expected a JSON object")
     timestamp = obj.get("timestamp")
     if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not timestamp >= 0:
         raise WorkloadError(f"{here}: 'timestamp' must be a non-negative number of ms, got {timestamp!r}")
-    if not np.isfinite(timestamp):
-        raise WorkloadError(f"{here}: 'timestamp' must be finite, got {timestamp!r}")
+    if not timestamp <= MAX_CLOCK * 1000:
+        raise WorkloadError(f"{here}: 'timestamp' {timestamp!r} ms is beyond 2**32 s (136 years); Mooncake "
+                            "timestamps are milliseconds (convert epoch micro- or nanoseconds)")
     lengths = {}
     for field, minimum in (("input_length", 1), ("output_length", 0)):
         value = obj.get(field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise WorkloadError(f"{here}: '{field}' must be an integer >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_TOKENS:
+            raise WorkloadError(f"{here}: '{field}' must be an integer in [{minimum}, {MAX_TOKENS}], got {value!r}")
         lengths[field] = value
     ids = obj.get("hash_ids")
     if not isinstance(ids, list):
@@ -122,12 +137,13 @@ def _parse_line(line: str, here: str, block_size: int, ordinal: int) -> tuple[Re
     return request, _session_of(obj, here)
 
 
-def _session_of(obj: dict, here: str) -> str | None:
+def _session_of(obj: dict, here: str) -> tuple[str, str | int] | None:
+    """(field, value) naming the request's session; the value keeps its JSON type."""
     for field in SESSION_FIELDS:
         value = obj.get(field)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise WorkloadError(f"{here}: '{field}' must be a string or an integer, got {value!r}")
-        return f"{field}={value}"
+        return field, value
     return None

@@ -7,6 +7,8 @@ import dataclasses
 from pathlib import Path
 
 from penelope.errors import UsageError
+from penelope.models import model_path
+from penelope.sim.replay import check_clock_range
 from penelope.sim.weka import OVERFLOW_MODES, SUBAGENT_MODES
 from penelope.sim.workloads import FORMATS, ThinkTime, Workload, load_workload
 from penelope.units import parse_size
@@ -95,24 +97,34 @@ def parse_think_time(text: str) -> ThinkTime:
     return ThinkTime(mode=mode, scale=scale, cap=cap)
 
 
+def workload_inputs(args, path: str | None) -> dict[str, str | None]:
+    """The files and folders a command's workload options read, by option (for output checks)."""
+    return {"--trace" if hasattr(args, "trace") else "PATH": path,
+            "--calibration": getattr(args, "calibration", None),
+            "--model": model_path(getattr(args, "model", None))}
+
+
 def load_from_args(args, path: str | None) -> tuple[Workload, dict]:
     """The workload the options describe (think times applied, sessions limited), and a
     JSON-ready description of how it was loaded."""
     fmt = infer_format(path, args.format)
     max_context = parse_size(args.max_context, "--max-context")
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.limit_sessions is not None and args.limit_sessions < 1:
+        raise UsageError(f"--limit-sessions must be at least 1, got {args.limit_sessions}")
+    think = parse_think_time(args.think_time)
     options = {}
     if fmt == "weka":
         options = dict(shared_prefix=not args.no_shared_prefix, subagents=args.subagents, overflow=args.overflow)
     workload = load_workload(fmt, path, max_context=max_context, seed=args.seed, **options)
-    think = parse_think_time(args.think_time)
     loaded_sessions = len(workload.sessions)
     if args.limit_sessions is not None:
-        if args.limit_sessions < 1:
-            raise UsageError(f"--limit-sessions must be at least 1, got {args.limit_sessions}")
         workload = dataclasses.replace(workload, sessions=workload.sessions[: args.limit_sessions])
     workload = think.apply(workload)
     if not workload.num_requests:
         raise UsageError("the workload has no requests to replay")
+    check_clock_range(workload)
     description = {
         "format": fmt,
         "trace": path,

@@ -44,8 +44,51 @@ from penelope.errors import InvariantError, UsageError
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, Chunk, Job, Scheduler
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import HUMAN, Workload
+from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
 from penelope.waits import ARRIVED, FINISHED, Foresight, Hint
+
+# Decode steps timed in one array at most (8 MB); a longer reply is decoded over several events.
+MAX_DECODE_STEPS = 1 << 20
+
+
+# Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
+# measured with long nodes, rounded up for histories split into many short nodes.
+CACHED_TOKEN_BYTES = 48
+# Bytes per prompt token of a running request (its token and slot arrays, match and insert copies).
+RUNNING_TOKEN_BYTES = 32
+
+
+def replay_memory(workload: Workload, capacity: int, concurrent: int) -> int:
+    """Bytes a replay of `workload` through a cache of `capacity` tokens (both tiers) may hold at
+    once: every token the cache can keep (at most the workload's distinct tokens) and the arrays of
+    `concurrent` running requests of the largest size. Caches allocate as they fill, so this is
+    what to check against memory before a replay, not before creating the cache."""
+    requests = [request for _, _, request in workload.requests()]
+    if not requests:
+        return 0
+    cached = min(capacity, sum(r.input_tokens for r in requests))
+    if cached * CACHED_TOKEN_BYTES > 2**30:
+        # Worth a closer bound: distinct blocks, plus each request's partial last block.
+        distinct = np.unique(np.concatenate([r.keys for r in requests])).size
+        cached = min(cached, (distinct + len(requests)) * workload.block_size)
+    largest = max(r.input_tokens for r in requests)
+    return cached * CACHED_TOKEN_BYTES + min(concurrent, len(requests)) * largest * RUNNING_TOKEN_BYTES
+
+
+def check_clock_range(workload: Workload) -> None:
+    """Raise UsageError when a workload's waits or arrivals could take the clock past `MAX_CLOCK`:
+    closed loop, all think times together; open loop, the last arrival."""
+    if workload.closed_loop:
+        total = sum(r.think_time for s in workload.sessions for r in s.requests)
+        if not total <= MAX_CLOCK:
+            raise UsageError(f"the workload's think times add up to {total:.3g} s, beyond the {MAX_CLOCK:.3g} s "
+                             "(136 years) the simulated clock resolves to a microsecond; cap or scale them "
+                             "(--think-time cap:S or scale:X)")
+        return
+    last = max((r.arrival for s in workload.sessions for r in s.requests), default=0.0)
+    if not last <= MAX_CLOCK:
+        raise UsageError(f"the last request arrives at {last:.3g} s, beyond the {MAX_CLOCK:.3g} s (136 years) the "
+                         "simulated clock resolves to a microsecond")
 
 
 @dataclass
@@ -100,6 +143,7 @@ class Replay:
     ):
         if sessions < 1:
             raise UsageError(f"sessions must be at least 1, got {sessions}")
+        check_clock_range(workload)
         self.workload = workload
         self.cache = cache
         self.time_model = time_model
@@ -141,6 +185,10 @@ class Replay:
             else:
                 # Nothing runs, so the whole cache is free or evictable: the head must fit.
                 raise InvariantError("waiting requests cannot be admitted into an idle cache")
+            if not self.now <= MAX_CLOCK:
+                raise UsageError(f"the simulated clock passed {MAX_CLOCK:.3g} s (136 years) after "
+                                 f"{len(self.result.records)} requests: batches take too long for the time "
+                                 "model's constants to be real (check the calibration and the model)")
         self.result.sim_time = self.now
         self.result.wall_time = time.perf_counter() - started
         return self.result
@@ -199,7 +247,7 @@ class Replay:
     def _decode(self) -> None:
         """Run decode steps up to the next finish, or through the step during which a request arrives."""
         batch = self._decoding
-        steps = min(job.output_tokens - job.generated for job in batch)
+        steps = min(MAX_DECODE_STEPS, *(job.output_tokens - job.generated for job in batch))
         times = np.cumsum(decode_step_times(self.time_model, len(batch), sum(j.kv_tokens for j in batch), steps))
         if self._arrivals:
             arrival = self._arrivals[0][0] - self.now

@@ -100,6 +100,10 @@ class SimConfig:
             raise UsageError(f"--cpu-cache {self.cpu_cache} is below one block of {self.block_size} tokens")
         if self.swap_buffer < self.block_size:
             raise UsageError(f"--swap-buffer {self.swap_buffer} is smaller than one block of {self.block_size} tokens")
+        if self.cpu_cache and self.swap_buffer > self.cpu_cache:
+            # Loads move at most what the CPU tier holds: a larger buffer is never used, only allocated.
+            raise UsageError(f"--swap-buffer {self.swap_buffer} is larger than the CPU tier it serves "
+                             f"(--cpu-cache {self.cpu_cache})")
         if self.sessions < 1:
             raise UsageError(f"--sessions must be at least 1, got {self.sessions}")
         if self.scheduler not in ORDERS:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from penelope.errors import UsageError
+from penelope.memory import check_memory
 from penelope.sim.workloads import (
     HUMAN,
     TOOL,
@@ -76,8 +77,19 @@ class SyntheticConfig:
     def __post_init__(self) -> None:
         positive = ("sessions", "requests_per_session", "prefix_tokens", "max_context", "block_size")
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise UsageError(f"synthetic workload: {name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise UsageError(f"synthetic workload: {name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**63:
+            raise UsageError(f"seed of the synthetic workload must be an integer in [0, 2**63), got {self.seed!r}")
+        for name, value in vars(self).items():
+            if isinstance(value, float) and not np.isfinite(value):
+                raise UsageError(f"synthetic workload: {name} must be finite, got {value}")
+        # Every request holds its context's block keys (8 bytes per block); check the largest
+        # workload these settings can make against memory before making it.
+        requests = self.sessions * self.requests_per_session * (1 + self.requests_spread)
+        check_memory(requests * (self.max_context // self.block_size + 1) * 8,
+                     f"a synthetic workload of {self.sessions} sessions with contexts up to {self.max_context} tokens")
         if not 0 <= self.requests_spread < 1:
             raise UsageError(f"synthetic workload: requests_spread {self.requests_spread} is not in [0, 1)")
         if not 0 <= self.human_fraction <= 1:

@@ -88,6 +88,7 @@ import numpy as np
 
 from penelope.costmodel import CostModel
 from penelope.errors import UsageError
+from penelope.jsonfile import read_json
 from penelope.models import SLIDING, ModelShape, get_model
 
 
@@ -136,6 +137,35 @@ CALIBRATION_KEYS = (
     "triton_pair_ratio",
 )
 METADATA_KEYS = ("model", "gpu", "source")
+# Range of every constant, in its unit. Each bound is orders of magnitude beyond any GPU or model
+# (an H100 reads 3.35e12 B/s; a unit is about 1e-13 s; an 8B model's weights are 1.6e10 B), so
+# only nonsense is refused, and the replay's times stay finite: a calibration of 1e308 s per
+# batch would otherwise print tables of inf and nan.
+_BYTES, _BANDWIDTH = (0.0, 1e16), (1e3, 1e16)
+RANGES = {
+    "num_gpus": (1, 1 << 20),
+    "c_lin": (0.0, 1e12),
+    "sec_per_linear_unit": (0.0, 1.0),
+    "sec_per_attention_pair": (0.0, 1.0),
+    "batch_overhead": (0.0, 60.0),
+    "decode_overhead": (0.0, 60.0),
+    "hbm_bandwidth": _BANDWIDTH,
+    "weight_bytes": _BYTES,
+    "embedding_row_bytes": _BYTES,
+    "expert_bytes": _BYTES,
+    "num_experts": (0, 1 << 20),
+    "experts_per_token": (0, 1 << 20),
+    "kv_bytes_per_token": _BYTES,
+    "window_kv_bytes_per_token": _BYTES,
+    "sliding_window": (0, 2**31 - 1),
+    "load_bandwidth": _BANDWIDTH,
+    "triton_pair_ratio": (0.0, 1000.0),
+}
+# Constants that must not be 0.
+POSITIVE = ("num_gpus", "c_lin", "sec_per_linear_unit", "sec_per_attention_pair", "hbm_bandwidth", "load_bandwidth",
+            "triton_pair_ratio")
+# A calibration file holds a few numbers.
+MAX_CALIBRATION_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -167,35 +197,16 @@ class TimeModel:
     phantom_kernel: str = "fa3"
 
     def __post_init__(self) -> None:
-        positive = (
-            "num_gpus",
-            "c_lin",
-            "sec_per_linear_unit",
-            "sec_per_attention_pair",
-            "hbm_bandwidth",
-            "load_bandwidth",
-            "triton_pair_ratio",
-        )
-        non_negative = (
-            "batch_overhead",
-            "decode_overhead",
-            "weight_bytes",
-            "embedding_row_bytes",
-            "expert_bytes",
-            "kv_bytes_per_token",
-            "window_kv_bytes_per_token",
-            "num_experts",
-            "experts_per_token",
-            "sliding_window",
-        )
-        for name in positive + non_negative:
+        for name, (low, high) in RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise UsageError(f"time model: {name} must be a finite number, got {value!r}")
-            if value < 0 or (value == 0 and name in positive):
+            if value < 0 or (value == 0 and name in POSITIVE):
                 raise UsageError(
-                    f"time model: {name} must be {'positive' if name in positive else '>= 0'}, got {value}"
+                    f"time model: {name} must be {'positive' if name in POSITIVE else '>= 0'}, got {value}"
                 )
+            if not low <= value <= high:
+                raise UsageError(f"time model: {name} must be in [{low:g}, {high:g}], got {value:g}")
         if self.experts_per_token > self.num_experts:
             raise UsageError("time model: experts_per_token exceeds num_experts")
         if self.phantom_kernel not in PREFILL_KERNELS:
@@ -257,12 +268,7 @@ class TimeModel:
     ) -> TimeModel:
         """The estimate for (model, gpu, num_gpus) with the calibration file's values applied."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UsageError(f"calibration file not found: {path}") from None
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        data = read_json(path, "calibration file", MAX_CALIBRATION_BYTES)
         if not isinstance(data, dict):
             raise UsageError(f"{path}: a calibration file must be a JSON object")
         unknown = sorted(set(data) - set(CALIBRATION_KEYS) - set(METADATA_KEYS))
@@ -279,7 +285,10 @@ class TimeModel:
         for key, value in values.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UsageError(f"{path}: '{key}' must be a number, got {value!r}")
-        return dataclasses.replace(base, **values)
+        try:
+            return dataclasses.replace(base, **values)
+        except UsageError as err:
+            raise UsageError(f"{path}: {err}") from None
 
     def prefill_kernel(self, holes: bool) -> str:
         """The attention kernel a prefill batch is costed with: `"fa3"` for contiguous prefill,
@@ -364,7 +373,8 @@ def write_calibration(path: str | Path, values: dict) -> dict:
     if path.exists():
         try:
             old = json.loads(path.read_text())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
+            # Not JSON (or not UTF-8): start a new file.
             old = None
         if isinstance(old, dict) and all(old.get(key) == values.get(key) for key in ("model", "gpu")):
             merged = old

@@ -31,12 +31,12 @@ Choices, all counted in the summary:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
 from penelope.errors import UsageError
+from penelope.jsonfile import read_json
 from penelope.sim.workloads import (
     HUMAN,
     MAX_TRACE_ID,
@@ -53,6 +53,10 @@ from penelope.sim.workloads import (
 
 SUBAGENT_MODES = ("skip", "replay")
 OVERFLOW_MODES = ("truncate", "drop", "skip")
+# Token counts of one request: no context comes near 2G tokens.
+MAX_TOKENS = 2**31 - 1
+# Tokens per hash id: 64 in these traces; SGLang's pages are at most a few hundred tokens.
+MAX_BLOCK_SIZE = 1 << 16
 
 
 def trace_files(paths: str | Path | list[str | Path]) -> list[Path]:
@@ -100,7 +104,7 @@ def load_weka(
     block_size = None
     for index, path in enumerate(files):
         trace = _read_trace(path)
-        size = _int_field(trace, "block_size", path.name, minimum=1)
+        size = _int_field(trace, "block_size", path.name, minimum=1, maximum=MAX_BLOCK_SIZE)
         if block_size is None:
             block_size = size
         elif size != block_size:
@@ -118,23 +122,20 @@ def load_weka(
 
 
 def _read_trace(path: Path) -> dict:
-    try:
-        trace = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise WorkloadError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    except UnicodeDecodeError:
-        raise WorkloadError(f"{path}: not a text file") from None
+    trace = read_json(path, "trace file", error=WorkloadError)
     if not isinstance(trace, dict) or not isinstance(trace.get("requests"), list):
         raise WorkloadError(f"{path}: expected a JSON object with a 'requests' list (WEKA trace format)")
     return trace
 
 
-def _int_field(obj: dict, key: str, where: str, minimum: int = 0) -> int:
+def _int_field(obj: dict, key: str, where: str, minimum: int = 0, maximum: int = MAX_TOKENS) -> int:
     value = obj.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
         raise WorkloadError(f"{where}: '{key}' must be an integer, got {value!r}")
     if value < minimum:
         raise WorkloadError(f"{where}: '{key}' must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise WorkloadError(f"{where}: '{key}' must be at most {maximum}, got {value}")
     return value
 
 
@@ -272,16 +273,18 @@ def _map_prefix(ids: np.ndarray, keys: np.ndarray, prefix_ids: np.ndarray) -> np
 
 
 def _count_entries(entries: list) -> tuple[int, int]:
-    """(requests, sub-agents) nested in a skipped sub-agent's entries."""
+    """(requests, sub-agents) nested in a skipped sub-agent's entries, at any depth (iterative:
+    sub-agents may nest deeper than Python's recursion limit)."""
     requests = subagents = 0
-    for entry in entries:
-        nested = entry.get("requests") if isinstance(entry, dict) else None
-        if isinstance(nested, list) and entry.get("type") == "subagent":
-            inner_requests, inner_subagents = _count_entries(nested)
-            requests += inner_requests
-            subagents += 1 + inner_subagents
-        else:
-            requests += 1
+    stack = [entries]
+    while stack:
+        for entry in stack.pop():
+            nested = entry.get("requests") if isinstance(entry, dict) else None
+            if isinstance(nested, list) and entry.get("type") == "subagent":
+                stack.append(nested)
+                subagents += 1
+            else:
+                requests += 1
     return requests, subagents
 
 

@@ -38,6 +38,9 @@ FORMATS = ("weka", "mooncake", "synthetic")
 # session's 2**32 range, so neither can reach the next session's range.
 SESSION_KEY_STRIDE = 1 << 32
 MAX_TRACE_ID = 1 << 31
+# The simulated clock stays below 2**32 s (136 years), where float64 still resolves 1 us: beyond
+# it, a TTFT of a few ms is lost to rounding (1e17 + 0.05 == 1e17) and tables show 0.000.
+MAX_CLOCK = float(2**32)
 
 
 class WorkloadError(UsageError):
@@ -161,7 +164,11 @@ class Workload:
 
 def frozen_keys(values, where: str) -> np.ndarray:
     """A read-only int64 1-D array of keys; raises WorkloadError for non-integers."""
-    array = np.asarray(values)
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):
+        # Ragged nesting ([[1], [2, 3]]) and the like.
+        raise WorkloadError(f"{where}: hash ids must be a flat list of integers") from None
     if array.ndim != 1:
         raise WorkloadError(f"{where}: hash ids must be a flat list of integers")
     if array.size == 0:
