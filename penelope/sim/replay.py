@@ -21,6 +21,14 @@ Timing (seconds of simulated time):
 Requests that can never fit the cache (input + output > capacity) are not sent: they are
 counted in `ReplayResult.skipped`, and the session goes on with its next request as if the
 skipped one had finished at its send time.
+
+Hints (`penelope.waits`): the cache hears of every request's arrival (at its send time) and
+finish, with what the session then waits for: a tool when its next request carries a tool result
+(the reply ended in a tool call; in the WEKA traces 99.8% of replies that stop on `tool_use` are
+followed by a tool request), else a person. Its clock is advanced to the simulated time before
+every batch. Only a policy that asks for it (`uses_foresight`, the offline oracle) is also told
+the session's next send time and how much of the sequence its next request reuses.
+`ReplayResult.events` lists admissions and finishes in order (for `penelope.sim.bound`).
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from penelope.errors import InvariantError, UsageError
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, Chunk, Job, Scheduler
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import MAX_CLOCK, Workload
+from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
+from penelope.waits import ARRIVED, FINISHED, Foresight, Hint
 
 # Decode steps timed in one array at most (8 MB); a longer reply is decoded over several events.
 MAX_DECODE_STEPS = 1 << 20
@@ -89,7 +98,8 @@ class ReplayResult:
     skipped: requests never sent because they cannot fit the cache; prefill_batches,
     decode_steps: batches run; phantom_batches: prefill batches that refilled a hole (costed with
     the time model's `phantom_kernel`); phantom_tokens: hole tokens recomputed by phantoms;
-    sim_time: simulated seconds until the last reply; wall_time: seconds the replay took."""
+    sim_time: simulated seconds until the last reply; wall_time: seconds the replay took;
+    events: ("admit" | "finish", session number, request index) in the order they happened."""
 
     records: list[RequestRecord] = field(default_factory=list)
     skipped: int = 0
@@ -100,6 +110,7 @@ class ReplayResult:
     phantom_tokens: int = 0
     sim_time: float = 0.0
     wall_time: float = 0.0
+    events: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def decode_step_times(model: TimeModel, batch_size: int, kv_tokens: int, steps: int) -> np.ndarray:
@@ -147,6 +158,8 @@ class Replay:
         self._sequence = 0
         self._next_session = 0
         self._decoding: list[Job] = []
+        self._admitted: set[int] = set()
+        self._foresight = bool(getattr(cache.policy, "uses_foresight", False))
 
     def run(self) -> ReplayResult:
         started = time.perf_counter()
@@ -159,6 +172,7 @@ class Replay:
                     self._push(request.arrival, number, index)
         while True:
             self._receive()
+            self.cache.advance(self.now)
             if not (self._arrivals or self.scheduler.has_work() or self._decoding):
                 break
             chunks = self.scheduler.form_prefill()
@@ -201,6 +215,7 @@ class Replay:
                 continue
             job = Job(session.id, index, request, send_time, self.workload.tokens(request), number=number)
             self.scheduler.submit(job)
+            self.cache.hint(job.tokens, Hint(send_time, ARRIVED))
 
     def _prefill(self, chunks: list[Chunk]) -> None:
         tokens = pairs = 0.0
@@ -216,6 +231,9 @@ class Replay:
         self.result.phantom_batches += holes
         self.result.prefill_tokens += int(tokens)
         for chunk in chunks:
+            if id(chunk.job) not in self._admitted:
+                self._admitted.add(id(chunk.job))
+                self.result.events.append(("admit", chunk.job.number, chunk.job.index))
             if not chunk.last:
                 continue
             job = chunk.job
@@ -250,7 +268,11 @@ class Replay:
         reused, recomputed = job.reused, job.recomputed
         cost = sum(self.cost.span_cost(start, end) for start, end in recomputed)
         self.result.phantom_tokens += job.phantom
+        tokens = job.tokens
         self.scheduler.release(job)
+        self._admitted.discard(id(job))
+        self.result.events.append(("finish", job.number, job.index))
+        self.cache.hint(tokens, self._finished_hint(job, len(tokens)))
         self.result.records.append(
             RequestRecord(
                 session=job.session,
@@ -269,6 +291,22 @@ class Replay:
         self._tick()
         self._after(job.number, job.index, self.now)
 
+    def _finished_hint(self, job: Job, n_tokens: int) -> Hint:
+        """What the session of a finished request waits for; its future for an oracle only."""
+        requests = self.workload.sessions[job.number].requests
+        following = requests[job.index + 1] if job.index + 1 < len(requests) else None
+        foresight = None
+        if self._foresight:
+            if following is None:
+                foresight = Foresight(float("inf"), 0)
+            else:
+                send = following.arrival if following.arrival is not None else self.now + following.think_time
+                bs = self.workload.block_size
+                reuse = min(_shared_keys(job.request.keys, following.keys) * bs, n_tokens // bs * bs)
+                foresight = Foresight(float(send), int(reuse))
+        return Hint(self.now, FINISHED, waits_for=following.kind if following is not None else HUMAN,
+                    foresight=foresight)
+
     def _after(self, number: int, index: int, done: float) -> None:
         """Closed loop: send the session's next request after its think time, or start the next session."""
         if not self.workload.closed_loop:
@@ -282,6 +320,13 @@ class Replay:
     def _tick(self) -> None:
         if self.progress is not None:
             self.progress.update(1)
+
+
+def _shared_keys(a: np.ndarray, b: np.ndarray) -> int:
+    """Number of leading block keys `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def replay(workload: Workload, cache, time_model: TimeModel, cost_model: CostModel | None = None, **options):
