@@ -8,6 +8,7 @@ Caller protocol for one request, in this order:
     ...run the request, writing KV into the slots...
     cache.insert(tokens, slots)          # takes every slot passed; duplicates are freed
     cache.unlock(h)
+    cache.hint(tokens, Hint(now, "finished", waits_for="tool"))   # optional, see penelope.waits
 
 A match is invalidated by any eviction: lock it right away, or match again. Every method
 validates its input before changing anything, so bad input raises UsageError and leaves the
@@ -24,6 +25,7 @@ from penelope.errors import CacheFullError, InvariantError, UsageError
 from penelope.policy import EvictionPolicy, get_policy
 from penelope.slots import SlotAllocator
 from penelope.tree import NO_SLOT, BlockState, Node, RadixTree
+from penelope.waits import Hint
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _NO_HASHES = np.empty(0, dtype=np.uint64)
@@ -130,8 +132,10 @@ class CacheStats:
 class KVCache:
     """Block-granular radix-tree KV cache over a pool of `capacity` token slots.
 
-    `policy`: a registered name (see `penelope.policy.policy_names`) or an EvictionPolicy.
-    `cost_model`: anything with `span_cost(start, end)`; used for statistics only.
+    `policy`: a registered name (see `penelope.policy.policy_names`) or an EvictionPolicy (one
+    object per cache: policies may keep state).
+    `cost_model`: anything with `span_cost(start, end)` and `position_cost(p)`: statistics, and
+    the policies that weigh recompute cost (without one, every token costs the same to them).
     `allocator`: a `SlotAllocator`-like object over the same pool (default: a new one).
     `track_recompute`: remember a hash of every block ever inserted, so statistics can tell
     recomputed tokens from new ones even after a policy deleted them from the tree.
@@ -158,6 +162,7 @@ class KVCache:
         self.allocator = allocator if allocator is not None else SlotAllocator(capacity, block_size)
         self.tree = RadixTree(block_size)
         self.stats = CacheStats(policy=self.policy.name)
+        self.policy.bind(capacity, block_size, cost_model)
         self._track = track_recompute
         self._seen: set[int] = set()
         self._locks: set[LockHandle] = set()
@@ -354,6 +359,22 @@ class KVCache:
             if lo < hi:
                 out[lo - start:hi - start] = node.slots[lo - node.start:hi - node.start]
         return out
+
+    def hint(self, tokens, hint: Hint) -> None:
+        """Tell the policy about a request of `tokens` (list or int64 array): it `arrived`, or it
+        `finished` and its session now waits for a tool or a person (`penelope.waits.Hint`).
+        Changes no block; policies that do not read hints ignore it. Foresight is refused unless
+        the policy is an offline reference that asks for it (`uses_foresight`)."""
+        if not isinstance(hint, Hint):
+            raise UsageError(f"hint() takes a penelope.waits.Hint, got {type(hint).__name__}")
+        if hint.foresight is not None and not self.policy.uses_foresight:
+            raise UsageError(f"policy {self.policy.name!r} decides without knowing the future: "
+                             "a hint with foresight is for the offline oracle only")
+        self.policy.observe(self.tree, _as_int_array(tokens, "tokens"), hint)
+
+    def advance(self, now: float) -> None:
+        """The caller's clock reads `now` seconds (monotonic): time-based policy rules use it."""
+        self.policy.advance(float(now))
 
     def evict(self, n_tokens: int) -> EvictResult:
         """Free at least `n_tokens` GPU tokens (rounded up to blocks), or all that are evictable.

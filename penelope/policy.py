@@ -12,6 +12,10 @@ the paper's ablation grid:
 
 `private-head-block` is Penelope; `leaf-tail-node` is SGLang's RadixCache.
 
+Beyond the grid (`penelope.agent_policy`), policies may also choose WHICH leaf goes first
+(`victim_key`, least recently used by default) from hints the cache forwards (`observe`: the kind
+of wait a session is in and the time, `penelope.waits`) and from the cost model (`bind`).
+
 The same two choices order demotions in the two-tier cache (`penelope.tiers`): `from_tail` and
 `first_node` tell where a walk from a victim starts and in which direction it takes blocks.
 """
@@ -22,6 +26,10 @@ from typing import ClassVar
 
 from penelope.errors import UsageError
 from penelope.tree import Node, RadixTree, Released
+
+# The six policies of the paper's ablation grid, SGLang's first.
+PAPER_GRID = ("leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block",
+              "private-head-node", "private-head-block")
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {}
 _CANONICAL: list[str] = []
@@ -66,25 +74,75 @@ def is_candidate(tree: RadixTree, node: Node) -> bool:
             and node.lock_ref == 0 and node.n_resident > 0)
 
 
+class TokenCost:
+    """The cost model of a cache built without one: every token costs 1 wherever it is."""
+
+    c_lin = 1.0
+
+    def position_cost(self, p):
+        return 1.0
+
+    def span_cost(self, start: int, end: int) -> float:
+        return float(end - start)
+
+
 class EvictionPolicy:
     """Chooses which blocks to free. Subclasses set `whole_node` and implement `_evict_leaf`.
 
     `from_tail`: the victim's blocks are taken from its end (else from the front of the chain
-    that starts at `first_node`)."""
+    that starts at `first_node`). `uses_foresight`: the policy may receive the future in hints
+    (the offline oracle only). A policy object keeps state for one cache: do not share it."""
 
     name: ClassVar[str] = ""
     whole_node: ClassVar[bool] = False
     from_tail: ClassVar[bool] = False
+    uses_foresight: ClassVar[bool] = False
+    # Asks a two-tier cache to call `prefetch` when the caller advances the time.
+    prefetches: ClassVar[bool] = False
+
+    capacity: int = 0
+    block_size: int = 0
+    cost_model = TokenCost()
+
+    def bind(self, capacity: int, block_size: int, cost_model=None) -> None:
+        """Called once by the cache: its size in tokens (GPU + CPU for two tiers), its block and
+        its cost model (None: every token costs the same, `TokenCost`)."""
+        self.capacity, self.block_size = capacity, block_size
+        self.cost_model = cost_model if cost_model is not None else TokenCost()
+
+    def prepare(self, tree: RadixTree, candidates: list[Node]) -> None:
+        """Called with every victim candidate before they are ordered (a policy whose keys are
+        normalized over the candidates computes the normalization here); nothing here."""
+
+    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
+        """Order of eviction victims, smallest first: least recently used here."""
+        return (node.last_access,)
+
+    def observe(self, tree: RadixTree, tokens, hint) -> None:
+        """A hint about the request of `tokens` (int64 [n]; `penelope.waits.Hint`); ignored here."""
+
+    def advance(self, now: float) -> None:
+        """The caller's clock reads `now` seconds; ignored by policies without time-based rules."""
+
+    def evicted(self, tree: RadixTree, released: Released) -> None:
+        """What one `evict` call deleted; ignored here."""
 
     def first_node(self, tree: RadixTree, leaf: Node) -> Node:
         """Where eviction from victim `leaf` starts: the leaf itself unless a policy walks up."""
         return leaf
 
+    # Whether victim keys can change while other victims are evicted (they read more than the
+    # victim's own recency): then every step orders the current candidates afresh.
+    fresh_keys: ClassVar[bool] = False
+
     def evict(self, tree: RadixTree, n_blocks: int) -> Released:
         """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
         locked node. Node policies may free more than asked."""
         out = Released()
-        heap = [(leaf.last_access, leaf.id, leaf) for leaf in tree.leaves if is_candidate(tree, leaf)]
+        candidates = [leaf for leaf in tree.leaves if is_candidate(tree, leaf)]
+        if self.fresh_keys:
+            return self._evict_fresh(tree, n_blocks, candidates, out)
+        heap = [(self.victim_key(tree, leaf), leaf.id, leaf) for leaf in candidates]
         heapq.heapify(heap)
         while out.blocks < n_blocks and heap:
             leaf = heapq.heappop(heap)[2]
@@ -92,7 +150,25 @@ class EvictionPolicy:
                 continue
             survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
             if survivor is not None and is_candidate(tree, survivor):
-                heapq.heappush(heap, (survivor.last_access, survivor.id, survivor))
+                heapq.heappush(heap, (self.victim_key(tree, survivor), survivor.id, survivor))
+        if out.blocks:
+            self.evicted(tree, out)
+        return out
+
+    def _evict_fresh(self, tree: RadixTree, n_blocks: int, candidates: list[Node], out: Released) -> Released:
+        """The same loop, each victim the smallest key among the candidates as they are now
+        (pruning a sibling can lengthen a private history, changing its key)."""
+        while out.blocks < n_blocks:
+            candidates = [leaf for leaf in candidates if is_candidate(tree, leaf)]
+            if not candidates:
+                break
+            self.prepare(tree, candidates)
+            leaf = min(candidates, key=lambda node: (self.victim_key(tree, node), node.id))
+            survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
+            if survivor is not None and survivor not in candidates and is_candidate(tree, survivor):
+                candidates.append(survivor)
+        if out.blocks:
+            self.evicted(tree, out)
         return out
 
     def _evict_leaf(self, tree: RadixTree, leaf: Node, need: int, out: Released) -> Node:
@@ -172,3 +248,7 @@ class PrivateHeadNode(_PrivateHeadPolicy):
 @register("private-head-block", "penelope")
 class PrivateHeadBlock(_PrivateHeadPolicy):
     whole_node = False
+
+
+# The agent-aware and cost-aware policies register themselves after the grid.
+from penelope import agent_policy  # noqa: E402, F401

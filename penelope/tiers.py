@@ -134,7 +134,9 @@ class TierCounters:
     """What the tiers did, in operations and tokens. `loads`: load operations (requests with CPU
     spans), `swap_loads`: those that went through the swap buffer; `demoted_tokens`: GPU -> CPU
     (plain and exchanged); `deleted_gpu_tokens`, `deleted_cpu_tokens`: KV deleted from each tier;
-    `backed_up_tokens`: host copies of GPU blocks (HiCache-like write-through only)."""
+    `backed_up_tokens`: host copies of GPU blocks (HiCache-like write-through only); `prefetches`,
+    `prefetched_tokens`: loads a prefetching policy asked for before the request came (also
+    counted in `loads`)."""
 
     loads: int = 0
     loaded_tokens: int = 0
@@ -146,6 +148,8 @@ class TierCounters:
     deleted_cpu_tokens: int = 0
     backed_up_tokens: int = 0
     plans: int = 0
+    prefetches: int = 0
+    prefetched_tokens: int = 0
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -343,17 +347,24 @@ class HostTier:
 
 class _GpuView:
     """The GPU view of the tree for one demotion pass: GPU blocks in each node's subtree, and the
-    victims (unlocked nodes holding GPU blocks with none below them), least recently used first."""
+    victims (unlocked nodes holding GPU blocks with none below them) in the policy's order (least
+    recently used first unless the policy orders victims otherwise)."""
 
-    def __init__(self, tree: RadixTree):
+    def __init__(self, tree: RadixTree, policy):
         self.tree = tree
+        self.policy = policy
         self.below: dict[Node, int] = {}
         nodes = list(tree.nodes())
         # Parents come before children in `nodes`: reversed, every child is counted first.
         for node in reversed(nodes):
             self.below[node] = node.n_gpu + sum(self.below[child] for child in node.children.values())
-        self.heap = [(n.last_access, n.id, n) for n in nodes if self.is_victim(n)]
+        victims = [n for n in nodes if self.is_victim(n)]
+        policy.prepare(tree, victims)
+        self.heap = [self.entry(n) for n in victims]
         heapq.heapify(self.heap)
+
+    def entry(self, node: Node) -> tuple:
+        return (self.policy.victim_key(self.tree, node), node.id, node)
 
     def is_victim(self, node: Node) -> bool:
         return node.alive and node.n_gpu > 0 and self.below[node] == node.n_gpu and node.lock_ref == 0
@@ -370,7 +381,7 @@ class _GpuView:
         while node is not self.tree.root and node.n_gpu == 0:
             node = node.parent
         if node is not self.tree.root and self.is_victim(node):
-            heapq.heappush(self.heap, (node.last_access, node.id, node))
+            heapq.heappush(self.heap, self.entry(node))
 
 
 class TwoTierCache(HostTier, KVCache):
@@ -392,6 +403,44 @@ class TwoTierCache(HostTier, KVCache):
             raise UsageError(f"swap buffer of {swap_buffer} tokens is smaller than one block of {block_size} tokens")
         self._init_host_tier(_count(cpu_capacity, "cpu_capacity"), swap_buffer, keep_plans)
         self.swap_buffer = swap_buffer
+        # One eviction order over both tiers: the policy sizes its rules by the logical capacity.
+        self.policy.bind(self.total_capacity, block_size, cost_model)
+
+    def advance(self, now: float) -> None:
+        """The caller's clock reads `now` seconds. A policy that prefetches (`penelope-agent`) then
+        names histories whose CPU blocks should come back to the GPU before their request; each is
+        loaded (through the swap buffer when both tiers are full) if the GPU victims that make room
+        are worth less than `PREFETCH_MARGIN` times less to the policy. The plans queue as loads do."""
+        super().advance(now)
+        if self.policy.prefetches:
+            for value, node in self.policy.prefetch_candidates(self.tree):
+                if not self._prefetch(node, value):
+                    break
+
+    def _prefetch(self, node: Node, value: float) -> bool:
+        """Load the CPU blocks on `node`'s root path; False when the policy's margin or the GPU
+        (too much KV locked) does not allow it now."""
+        tree, bs = self.tree, self.block_size
+        path = tree.path_to_root(node)
+        incoming = sum(part.n_resident - part.n_gpu for part in path) * bs
+        if not incoming or path[-1].end > self.capacity:
+            return True
+        if incoming > self.allocator.free_size():
+            on_path = {part.id for part in path}
+            keys = [key for key, _, victim in _GpuView(tree, self.policy).heap if victim.id not in on_path]
+            if not keys or min(keys)[0] * self.policy.PREFETCH_MARGIN >= value:
+                return False
+        match = self.match(np.concatenate([part.tokens for part in path]))
+        handle = self.lock(match)
+        try:
+            loaded = self.load(handle)
+        except CacheFullError:
+            return False
+        finally:
+            self.unlock(handle, admitted=False)
+        self.counters.prefetches += 1
+        self.counters.prefetched_tokens += loaded.loaded_tokens
+        return True
 
     def buffer_slots(self) -> np.ndarray:
         """Host rows of the swap buffer now (int64 [swap_buffer]); they hold no live data."""
@@ -502,7 +551,7 @@ class TwoTierCache(HostTier, KVCache):
         bs, tree, policy = self.block_size, self.tree, self.policy
         out: list[np.ndarray] = []
         moved = 0
-        view = _GpuView(tree) if n_blocks else None
+        view = _GpuView(tree, policy) if n_blocks else None
         while moved < n_blocks:
             if not view.heap:
                 raise InvariantError(f"demotion found {moved} of {n_blocks} unlocked GPU blocks")
@@ -529,7 +578,7 @@ class TwoTierCache(HostTier, KVCache):
                 if moved == n_blocks:
                     break
             if view.is_victim(victim):
-                heapq.heappush(view.heap, (victim.last_access, victim.id, victim))
+                heapq.heappush(view.heap, view.entry(victim))
             else:
                 view.after(victim)
         self.counters.demotions += n_blocks > 0

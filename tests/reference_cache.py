@@ -17,10 +17,35 @@ Rules (DESIGN.md section 3, written out per block):
   has one child, is unlocked and holds resident KV), continuing down toward the leaf; block
   policies free only what is needed and split the missing front off; node policies free whole
   nodes. Then prune: an unlocked childless node without resident KV is deleted, and so on up.
+
+Policies beyond the grid (`penelope.agent_policy`) change only WHICH leaf goes first (ttl and
+flop-recency evict like leaf-tail-node, penelope-agent and oracle like private-head-block; the
+oracle first deletes dead blocks from a leaf's tail). Their order is recomputed here from hints
+kept as plain token tuples, before every victim:
+- sessions: a finished request's whole blocks wait (kind, since, foresight, pin); an arrival
+  whose tokens repeat all but 1/256 of a waiting sequence's blocks ends that wait (observed);
+  a leaf's sequence (root to its end) is held by the waiting sequences and arrived requests that
+  start with it;
+- ttl: leaves held by a session whose pin has not expired go last; the pin after a tool call is
+  the observed tool wait w maximizing (rank of w) / n * B - w * M, written out below;
+- flop-recency: recency and cost per token of the leaf's node, each scaled to [0, 1] over the
+  candidates, summed;
+- penelope-agent: -1 for a leaf nobody holds, inf for one an arrived request holds, else the
+  cost of the first resident block of its private history / the median remaining wait among
+  observed waits longer than the elapsed one (its kind's if 3 were seen, else all kinds', else
+  the elapsed wait);
+- oracle: dead blocks (past what the next request reuses, or no future at all) first, else
+  -(time to next use) / (cost of the first resident private block).
+Ties break on recency.
 """
 from __future__ import annotations
 
+import bisect
+import math
+
 GPU, MISSING = "GPU", "MISSING"
+BEYOND = {"ttl": "leaf-tail-node", "flop-recency": "leaf-tail-node", "penelope-agent": "private-head-block",
+          "oracle": "private-head-block"}
 
 
 class Block:
@@ -32,15 +57,23 @@ class Block:
 
 
 class ReferenceCache:
-    def __init__(self, capacity: int, block_size: int, policy: str):
+    def __init__(self, capacity: int, block_size: int, policy: str, cost_model=None):
         aliases = {"sglang": "leaf-tail-node", "penelope": "private-head-block"}
-        policy = aliases.get(policy, policy)
-        self.where, self.how = policy.rsplit("-", 1)
+        self.policy = aliases.get(policy, policy)
+        self.where, self.how = BEYOND.get(self.policy, self.policy).rsplit("-", 1)
         self.capacity, self.bs = capacity, block_size
+        self.cost = cost_model
         self.root = Block((), None, -1)
         self.clock = 0
         # Every whole-block prefix ever inserted: what statistics call "cached before".
         self.ever: set[tuple] = set()
+        # Hints: the time, waiting sessions, arrived requests, observed waits, deletions.
+        self.now = 0.0
+        self.waiting: list[dict] = []
+        self.arrived: list[tuple] = []
+        self.observed = {"tool": [], "human": []}
+        self.deleted_cost = 0.0
+        self.first_deletion = None
 
     # -- node helpers --------------------------------------------------------------------
     def blocks(self):
@@ -154,6 +187,156 @@ class ReferenceCache:
         if last is not None:
             self.prune(self.node_last(last))
 
+    # -- hints ---------------------------------------------------------------------------
+    def block_cost(self, position):
+        if self.cost is None:
+            return float(self.bs)
+        return float(self.cost.span_cost(position, position + self.bs))
+
+    def span_cost(self, start, end):
+        return float(end - start) if self.cost is None else float(self.cost.span_cost(start, end))
+
+    def advance(self, now):
+        self.now = max(self.now, float(now))
+
+    def same_session(self, old, new):
+        blocks = len(old) // self.bs
+        need = (blocks - blocks // 256) * self.bs
+        return need > 0 and len(new) >= need and old[:need] == new[:need]
+
+    def hint(self, tokens, now, event, kind=None, foresight=None):
+        self.advance(now)
+        whole = tuple(tokens[:len(tokens) // self.bs * self.bs])
+        if event == "arrived":
+            self.arrived.append(whole)
+            back = [w for w in self.waiting if self.same_session(w["tokens"], whole)]
+            for w in back:
+                if w["kind"] is not None:
+                    bisect.insort(self.observed[w["kind"]], max(0.0, float(now) - w["since"]))
+            self.waiting = [w for w in self.waiting if all(w is not b for b in back)]
+            return
+        # The request leaves the system: the longest arrival its sequence continues.
+        continued = [a for a in self.arrived if whole[:len(a)] == a]
+        if continued:
+            self.arrived.remove(max(continued, key=len))
+        record = dict(tokens=whole, kind=kind, since=float(now), foresight=foresight, pin_until=-math.inf)
+        if whole:
+            self.waiting = [w for w in self.waiting if not self.same_session(w["tokens"], whole)]
+            self.waiting.append(record)
+        end = self.end_block(whole)
+        if self.policy == "ttl" and kind == "tool" and end is not None:
+            record["pin_until"] = float(now) + self.ttl(end)
+
+    def end_block(self, whole):
+        """The last block of a node that ends exactly where `whole` ends, if there is one."""
+        block = self.root
+        for i in range(0, len(whole), self.bs):
+            block = block.children.get(whole[i:i + self.bs])
+            if block is None:
+                return None
+        return block if block is not self.root and self.node_last(block) is block else None
+
+    def ttl(self, end):
+        waits = self.observed["tool"]
+        if not waits:
+            return 0.0
+        start = self.private_start(end)
+        private = self.node_of(start)[0].index * self.bs
+        stop = (end.index + 1) * self.bs
+        benefit = self.span_cost(private, stop) * (1 + len(self.arrived))
+        rate = 0.0
+        if self.first_deletion is not None and self.now - self.first_deletion > 0:
+            rate = self.deleted_cost / (self.now - self.first_deletion)
+        hold = (stop - private) / max(self.capacity, 1) * rate
+        best, best_wait = -math.inf, 0.0
+        for i, wait in enumerate(waits):
+            utility = (i + 1) / len(waits) * benefit - wait * hold
+            if utility > best:
+                best, best_wait = utility, wait
+        return best_wait if best > 0 else 0.0
+
+    def sequence(self, last):
+        blocks = []
+        while last is not self.root:
+            blocks.append(last.tokens)
+            last = last.parent
+        return tuple(t for chunk in reversed(blocks) for t in chunk)
+
+    def holders(self, last):
+        seq = self.sequence(last)
+        records = [w for w in self.waiting if w["tokens"][:len(seq)] == seq]
+        in_use = any(a[:len(seq)] == seq for a in self.arrived)
+        return records, in_use
+
+    def private_start(self, leaf):
+        start = leaf
+        while True:
+            parent = self.node_of(start)[0].parent
+            if (parent is self.root or len(parent.children) > 1 or parent.lock > 0
+                    or not self.resident(self.node_of(parent))):
+                return start
+            start = parent
+
+    def front_cost(self, leaf):
+        chain = [leaf]
+        start = self.private_start(leaf)
+        while chain[-1] is not start:
+            chain.append(self.node_of(chain[-1])[0].parent)
+        for last in reversed(chain):
+            resident = self.resident(self.node_of(last))
+            if resident:
+                return self.block_cost(resident[0].index * self.bs)
+        return 0.0
+
+    def remaining(self, w):
+        elapsed = max(0.0, self.now - w["since"])
+        pooled = sorted(self.observed["tool"] + self.observed["human"])
+        for waits in ([self.observed[w["kind"]]] if w["kind"] is not None else []) + [pooled]:
+            if len(waits) >= 3:
+                longer = [x for x in waits if x > elapsed]
+                return longer[len(longer) // 2] - elapsed if longer else math.inf
+        return elapsed
+
+    def future(self, leaf):
+        records, in_use = self.holders(leaf)
+        if in_use:
+            return self.now, (leaf.index + 1) * self.bs
+        futures = [w["foresight"] for w in records
+                   if w["foresight"] is not None and w["foresight"][0] >= self.now]
+        return min(futures) if futures else (math.inf, 0)
+
+    def dead(self, leaf):
+        _, reuse = self.future(leaf)
+        return [b for b in self.resident(self.node_of(leaf)) if b.index * self.bs + self.bs > reuse]
+
+    def victim_key(self, leaf, leaves):
+        if self.policy == "ttl":
+            records, _ = self.holders(leaf)
+            return (any(w["pin_until"] > self.now for w in records), leaf.stamp)
+        if self.policy == "flop-recency":
+            def efficiency(last):
+                blocks = self.node_of(last)
+                start, end = blocks[0].index * self.bs, (last.index + 1) * self.bs
+                return self.span_cost(start, end) / (end - start)
+            stamps = [x.stamp for x in leaves]
+            effs = [efficiency(x) for x in leaves]
+            recency = (leaf.stamp - min(stamps)) / (max(stamps) - min(stamps)) if max(stamps) > min(stamps) else 1.0
+            low, high = min(effs), max(effs)
+            eff = (efficiency(leaf) - low) / (high - low) if high > low else 1.0
+            return (recency + eff, leaf.stamp)
+        if self.policy == "penelope-agent":
+            records, in_use = self.holders(leaf)
+            if not records:
+                return (math.inf if in_use else -1.0, leaf.stamp)
+            remaining = min(self.remaining(w) for w in records)
+            return (self.front_cost(leaf) / max(remaining, 1e-3), leaf.stamp)
+        if self.policy == "oracle":
+            next_use, _ = self.future(leaf)
+            if self.dead(leaf):
+                return (0, 0.0, leaf.stamp)
+            return (1, -(next_use - self.now) / max(self.front_cost(leaf), 1e-30), leaf.stamp)
+        return (leaf.stamp,)
+
     # -- eviction ------------------------------------------------------------------------
     def detach(self, block):
         del block.parent.children[block.tokens]
@@ -176,12 +359,26 @@ class ReferenceCache:
     def evict(self, need):
         """Free at least `need` resident blocks (or all evictable). Returns their slots."""
         freed = []
+        freed_cost = 0.0
         while len(freed) < need * self.bs:
             leaves = self.candidates()
             if not leaves:
                 break
-            leaf = min(leaves, key=lambda b: b.stamp)
+            leaf = min(leaves, key=lambda b: self.victim_key(b, leaves))
             want = need - len(freed) // self.bs
+            dead = self.dead(leaf) if self.policy == "oracle" else []
+            if dead:
+                # The oracle deletes the blocks no request will reuse from the leaf's tail.
+                blocks = self.node_of(leaf)
+                resident = self.resident(blocks)
+                k = min(want, len(dead))
+                cut = blocks.index(resident[-k])
+                for b in resident[-k:]:
+                    freed.extend(b.slots)
+                    freed_cost += self.block_cost(b.index * self.bs)
+                self.detach(blocks[cut])
+                self.prune(blocks[cut - 1] if cut else self.node_last(blocks[0].parent))
+                continue
             if self.where == "leaf-tail":
                 blocks = self.node_of(leaf)
                 resident = self.resident(blocks)
@@ -189,6 +386,7 @@ class ReferenceCache:
                 cut = blocks.index(resident[-k])
                 for b in resident[-k:]:
                     freed.extend(b.slots)
+                    freed_cost += self.block_cost(b.index * self.bs)
                 self.detach(blocks[cut])
                 self.prune(blocks[cut - 1] if cut else self.node_last(blocks[0].parent))
                 continue
@@ -208,6 +406,7 @@ class ReferenceCache:
                 take = resident if self.how == "node" else resident[:want]
                 for b in take:
                     freed.extend(b.slots)
+                    freed_cost += self.block_cost(b.index * self.bs)
                     b.state, b.slots = MISSING, None
                 want -= len(take)
                 rest = self.resident(blocks)
@@ -216,6 +415,10 @@ class ReferenceCache:
                 if want <= 0:
                     break
             self.prune(leaf)
+        if freed:
+            if self.first_deletion is None:
+                self.first_deletion = self.now
+            self.deleted_cost += freed_cost
         return freed
 
     # -- comparison ------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 A workload: a shared system prompt, sessions whose histories grow turn by turn, occasional
 branching (a sub-agent forks a history) and compaction (a history is replaced by the system
 prompt plus a summary), running requests that hold locks across other sessions' turns, explicit
-evictions, and random capacities. After every operation the cache's invariants hold and its
-tree, sizes, match results and freed slots equal the reference's.
+evictions, and random capacities. Requests come with hints (arrival, then finish with a tool or
+person wait, the time moving on; foresight for the oracle), which the agent-aware policies order
+their victims by. After every operation the cache's invariants hold and its tree, sizes, match
+results and freed slots equal the reference's.
 """
 from __future__ import annotations
 
@@ -18,10 +20,15 @@ from hypothesis import strategies as st
 from reference_cache import ReferenceCache, dump_real
 
 from penelope.cache import KVCache
+from penelope.costmodel import CostModel
 from penelope.errors import CacheFullError, UsageError
-from penelope.policy import policy_names
+from penelope.models import get_model
+from penelope.policy import get_policy, policy_names
+from penelope.waits import Foresight, Hint
 
-KINDS = ["turn"] * 8 + ["branch", "compact", "evict", "probe", "open", "open", "close"]
+# Every cost of Qwen3-8B's model is an integer: sums agree whatever their order.
+COST = CostModel(get_model("qwen3-8b"))
+KINDS = ["turn"] * 8 + ["branch", "compact", "evict", "probe", "open", "open", "close", "arrive", "tick"]
 # (kind, session or size, growth or target, fresh slots on insert, branch point)
 OPS = st.tuples(st.sampled_from(KINDS), st.integers(0, 3), st.integers(0, 24), st.booleans(),
                 st.floats(0, 1))
@@ -31,11 +38,32 @@ class Harness:
     """Runs each operation on both caches and compares everything observable."""
 
     def __init__(self, capacity, block_size, policy):
-        self.real = KVCache(capacity, block_size=block_size, policy=policy)
-        self.ref = ReferenceCache(capacity, block_size, policy)
+        self.real = KVCache(capacity, block_size=block_size, policy=policy, cost_model=COST)
+        self.ref = ReferenceCache(capacity, block_size, policy, cost_model=COST)
         self.bs, self.capacity = block_size, capacity
         self.outstanding = 0
         self.open: list[tuple] = []
+        self.now = 0.0
+        self.foresight = get_policy(policy).uses_foresight
+
+    def tick(self, seconds):
+        self.now += seconds
+        self.real.advance(self.now)
+        self.ref.advance(self.now)
+
+    def arrive(self, tokens):
+        self.real.hint(np.array(tokens, dtype=np.int64), Hint(self.now, "arrived"))
+        self.ref.hint(tokens, self.now, "arrived")
+
+    def finish(self, tokens, kind, wait, reuse):
+        """A finish hint; an oracle also learns the next send (`wait` s later, never when None)
+        and how many of the tokens the next request reuses."""
+        foresight = None
+        if self.foresight:
+            foresight = Foresight(self.now + wait if wait is not None else float("inf"), reuse)
+        self.real.hint(np.array(tokens, dtype=np.int64), Hint(self.now, "finished", kind, foresight))
+        self.ref.hint(tokens, self.now, "finished", kind,
+                      (foresight.next_send, foresight.reuse) if foresight else None)
 
     def compare(self):
         self.real.check_invariants()
@@ -129,8 +157,12 @@ def run_workload(block_size, capacity, policy, vocab, seed, system_len, n_sessio
     h = Harness(capacity, block_size, policy)
     for kind, a, b, fresh_slots, cut in ops:
         a %= n_sessions
+        h.tick(b % 7)
         if kind == "turn":
+            h.arrive(sessions[a])
             if h.turn(sessions[a], fresh_slots):
+                reuse = len(sessions[a]) if cut < 0.7 else int(cut * len(sessions[a]))
+                h.finish(sessions[a], "tool" if fresh_slots else "human", None if cut > 0.95 else b, reuse)
                 sessions[a] = sessions[a] + fresh(b)
             if len(sessions[a]) > capacity:
                 # An agent compacts its context when it no longer fits.
@@ -150,6 +182,8 @@ def run_workload(block_size, capacity, policy, vocab, seed, system_len, n_sessio
                 h.open.append(locked)
         elif kind == "close" and h.open:
             h.unlock(h.open.pop(a % len(h.open)))
+        elif kind == "arrive":
+            h.arrive(sessions[a])
         h.compare()
     while h.open:
         h.unlock(h.open.pop())

@@ -117,6 +117,7 @@ def test_analyze_says_how_many_replicas_the_trace_needs(traces, tmp_path, capsys
     (["simulate", "--cache-threshold", "2"], "--cache-threshold must be in [0, 1]"),
     (["simulate", "--balance-rel-threshold", "0.5"], "--balance-rel-threshold must be at least 1"),
     (["simulate", "--router", ","], "--router: empty list"),
+    (["simulate", "--replicas", "2", "--policies", "all"], "the oracle policy and its lower bound need one server"),
     (["analyze", "--format", "synthetic", "--router", "round-robin,session"], "--router: give one router here"),
 ])
 def test_fleet_option_errors_are_one_line(args, message, capsys):

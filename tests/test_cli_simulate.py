@@ -219,3 +219,43 @@ def test_repeat_reports_means_intervals_and_paired_verdicts(tmp_path, capsys):
     assert out.count("changes against sglang, paired run by run") == 2 and "3 runs (" in out
     assert "batches refilling holes on the Triton ragged kernel at 1.5x" in out
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+BEYOND = ["ttl", "flop-recency", "penelope-agent", "oracle"]
+
+
+def test_all_policies_with_the_oracle_bracket(tmp_path, capsys):
+    assert parse_policies_all() == SIX + BEYOND
+    payload = simulate(tmp_path, "--limit-sessions", "3", "--gpu-cache", "64K", "--policies", "all",
+                       "--plot", str(tmp_path / "a.png"))
+    results = payload["results"]
+    assert list(results) == SIX + BEYOND
+    oracle = results["oracle"]
+    # The bracket: the bound is below what the oracle paid; every distance is against its run.
+    assert 0 < oracle["recompute_bound"] <= oracle["recompute_cost"]
+    assert oracle["vs_oracle"]["recompute_cost"] == 0.0
+    for name, result in results.items():
+        assert "recompute_bound" not in result or name == "oracle"
+        assert result["vs_oracle"]["recompute_cost"] == pytest.approx(
+            result["recompute_cost"] / oracle["recompute_cost"] - 1)
+        assert result["vs_oracle"]["jct_mean"] == pytest.approx(result["jct_mean"] / oracle["jct_mean"] - 1)
+    out = capsys.readouterr().out
+    assert "oracle bracket: the optimal recompute cost lies in [" in out and "TTFT vs oracle" in out
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_repeat_with_the_oracle_reports_the_bracket_per_run(tmp_path, capsys):
+    payload = simulate(tmp_path, "--limit-sessions", "2", "--gpu-cache", "64K", "--repeat", "2", "--jobs", "1",
+                       "--policies", "penelope-agent,oracle", "--plot", str(tmp_path / "o.png"))
+    agent, oracle = payload["results"]["penelope-agent"], payload["results"]["oracle"]
+    runs = [run["vs_oracle"]["ttft_mean"] for run in agent["runs"]]
+    assert agent["vs_oracle"]["ttft_mean"]["mean"] == pytest.approx(sum(runs) / 2)
+    assert all(0 < run["recompute_bound"] <= run["recompute_cost"] for run in oracle["runs"])
+    assert "oracle bracket" in capsys.readouterr().out
+    assert (tmp_path / "o.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def parse_policies_all():
+    from penelope.sim.run import parse_policies
+
+    return parse_policies("all")

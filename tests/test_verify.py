@@ -72,6 +72,14 @@ def test_every_policy_reproduces_the_never_evicting_run(policy):
         assert report.phantom_tokens > 0
 
 
+@pytest.mark.parametrize("policy", ["penelope-agent", "oracle"])
+def test_hinted_policies_on_two_tiers_reproduce_the_never_evicting_run(policy):
+    # The workload tells the cache of arrivals and finishes (`turn_hint`): penelope-agent orders
+    # victims and prefetches tool-waiting histories from them, the oracle reads the schedule.
+    report = verify(dataclasses.replace(TWO_TIER, policy=policy))
+    assert report.identical and report.loads > 0 and report.demotions > 0
+
+
 def assert_every_tier_move(report):
     assert report.loads > 0 and report.loaded_tokens > 0
     assert report.swap_buffer_loads > 0 and report.swapped_tokens > TWO_TIER.swap_buffer  # several chunks

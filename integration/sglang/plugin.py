@@ -15,6 +15,7 @@ overrides the variable of the same option:
 | ``swap_buffer``| ``PENELOPE_SWAP_BUFFER``| 1024     | CPU swap buffer in tokens (two-tier cache only)  |
 | ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
 | ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
+| ``tool_call_token`` | ``PENELOPE_TOOL_CALL_TOKEN`` | none | token id opening a tool call in a reply (``hints.py``) |
 
 By default a block is one SGLang page, so the cache keeps what SGLang's own radix cache would keep
 (every token with page size 1, whole pages otherwise). ``attention`` is read when the plugin loads
@@ -32,7 +33,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from penelope.errors import UsageError
-from penelope.policy import policy_names
+from penelope.policy import get_policy, policy_names
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ ATTENTION_MODES = ("ragged", "sglang")
 COPY_MODES = ("auto", "triton", "naive")
 _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
-        "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY"}
-_INTEGERS = ("block_size", "swap_buffer", "cpu_cache")
+        "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY",
+        "tool_call_token": "PENELOPE_TOOL_CALL_TOKEN"}
+_INTEGERS = ("block_size", "swap_buffer", "cpu_cache", "tool_call_token")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
@@ -64,11 +66,15 @@ class PenelopeOptions:
     attention: str = "ragged"
     cpu_cache: int = 0
     copy: str = "auto"
+    tool_call_token: int | None = None
 
     def __post_init__(self):
         known = policy_names(aliases=True)
         if self.policy not in known:
             raise UsageError(f"penelope: unknown policy {self.policy!r} (known: {', '.join(known)})")
+        if get_policy(self.policy).uses_foresight:
+            raise UsageError(f"penelope: policy {self.policy!r} is an offline reference that must be told the "
+                             "future (penelope simulate, penelope verify); a server cannot run it")
         if self.block_size is not None:
             _positive(self.block_size, "block_size")
         _positive(self.swap_buffer, "swap_buffer")
@@ -85,6 +91,10 @@ class PenelopeOptions:
                     raise UsageError(f"penelope: {name} {getattr(self, name)} is smaller than one block of "
                                      f"{self.block_size} tokens" + (" (0 turns the CPU tier off)"
                                                                     if name == "cpu_cache" else ""))
+        if self.tool_call_token is not None and (isinstance(self.tool_call_token, bool) or not isinstance(
+                self.tool_call_token, numbers.Integral) or self.tool_call_token < 0):
+            raise UsageError(f"penelope: tool_call_token must be a token id (a non-negative integer), "
+                             f"got {self.tool_call_token!r}")
         if self.copy not in COPY_MODES:
             raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 

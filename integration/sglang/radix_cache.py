@@ -54,8 +54,10 @@ from penelope.errors import CacheFullError, InvariantError, UsageError
 from penelope.refill import RefillPlan, next_chunk, plan_refill
 from penelope.tiers import TwoTierCache
 from penelope.tree import BlockState
+from penelope.waits import ARRIVED, FINISHED, Hint
 
 from .events import KVEvents
+from .hints import wait_kind
 from .host_tier import HostKV, host_tokens, kv_bytes_per_token
 from .plugin import PenelopeOptions
 from .slots import SGLangSlots
@@ -67,6 +69,10 @@ logger = logging.getLogger(__name__)
 PAD_SLOT = 0
 # Attribute on a Req: its RefillPlan, from admission until its holes are computed.
 REFILL = "penelope_refill"
+# Set on a request once the cache was told it arrived (a queued request is matched many times).
+ARRIVAL = "penelope_arrived"
+# The attribute `hooks.make_phantom` sets on a phantom (hooks imports this module, not the reverse).
+_PHANTOM_OF = "penelope_phantom_of"
 # Namespaced token ids are shifted into a range of their own: token + namespace << 32.
 _NS_SHIFT = 32
 
@@ -183,7 +189,11 @@ class PenelopeRadixCache(BasePrefixCache):
         n = len(key) // self.block_size * self.block_size
         if namespace is None or n == 0:
             return self._empty
-        match = self.cache.match(self._tokens(key.token_ids, n, namespace))
+        tokens = self._tokens(key.token_ids, n, namespace)
+        if req is not None and not getattr(req, ARRIVAL, False) and getattr(req, _PHANTOM_OF, None) is None:
+            setattr(req, ARRIVAL, True)
+            self.cache.hint(tokens, Hint(time.monotonic(), ARRIVED))
+        match = self.cache.match(tokens)
         ref = MatchRef(match, key.token_ids, n, namespace, self.phantoms and _phantom_eligible(req))
         return MatchResult(device_prefix_len=ref.prefix_len, last_device_node=ref, last_host_node=ref,
                            best_match_node=ref)
@@ -274,6 +284,20 @@ class PenelopeRadixCache(BasePrefixCache):
         req.lock = self.lock(ref)
         self.unlock(old)
         req.last_node = ref
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        """A finished request's row is freed: tell the cache its session now waits, and for what
+        (``hints.wait_kind``), on the sequence the tree holds for it. A request released unfinished
+        (retracted to be rescheduled) is still in the system: nothing is said."""
+        if self.disable or not req.finished() or getattr(req, _PHANTOM_OF, None) is not None:
+            return
+        namespace = self._namespace(req.extra_key, req.cache_salt, create=False)
+        if namespace is None or not getattr(req, ARRIVAL, False):
+            return
+        source = req.full_untruncated_fill_ids
+        n = min(len(source), req.kv.cache_protected_len) // self.block_size * self.block_size
+        kind = wait_kind(req, self.options.tool_call_token)
+        self.cache.hint(self._tokens(source, n, namespace), Hint(time.monotonic(), FINISHED, kind))
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable."""

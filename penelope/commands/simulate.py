@@ -66,7 +66,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--policies",
         default="sglang,penelope",
-        help="comma-separated eviction policies, or 'ablation' for the paper's six-policy grid",
+        help="comma-separated eviction policies, 'ablation' for the paper's six-policy grid, or 'all' for every "
+        "registered policy (the grid, ttl, flop-recency, penelope-agent and the offline oracle)",
     )
     add_fleet_arguments(parser)
     parser.add_argument("--per-replica", action="store_true", help="with --replicas N > 1: a table per replica")
@@ -148,6 +149,8 @@ def run(args) -> int:
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
+    if args.replicas is not None and args.replicas > 1:
+        check_fleet_policies(policies, args.replicas)
     repeat, perturbation, jobs = ensemble_options(args)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
     setup = prepare(args, workers=jobs, repeat=repeat, policies=len(policies))
@@ -212,6 +215,17 @@ def run(args) -> int:
             plot_results(args.plot, [(c, e.runs[0]) for c, e in first], setup["shape"].name)
         print(f"wrote {args.plot}")
     return 0
+
+
+def check_fleet_policies(policies: list[str], replicas: int) -> None:
+    """The offline oracle's lower bound replays one cache: refuse it on several replicas."""
+    from penelope.errors import UsageError
+    from penelope.policy import get_policy
+    from penelope.sim.bracket import ORACLE
+
+    if any(get_policy(name).name == ORACLE for name in policies):
+        raise UsageError(f"--policies: the {ORACLE} policy and its lower bound need one server, not --replicas "
+                         f"{replicas}")
 
 
 def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
@@ -462,6 +476,26 @@ def results_table(capacity: int, results: dict, config=None) -> str:
         "JCT vs sglang",
         "hit pts vs sglang",
     )
+    return head + "\n" + format_table(headers, rows) + oracle_table(results)
+
+
+def oracle_table(results: dict) -> str:
+    """The oracle bracket and every policy's distance to the oracle's run; empty without an oracle."""
+    from penelope.sim.bracket import oracle_of
+
+    oracle = oracle_of(results)
+    if oracle is None:
+        return ""
+    head = (
+        f"\noracle bracket: the optimal recompute cost lies in [{oracle.bound:.3g} (lower bound), "
+        f"{oracle.summary.recompute_cost:.3g} (oracle)]; distance = excess over the oracle's run"
+    )
+    rows = [
+        (name, percent(r.to_oracle["recompute_cost"]), percent(r.to_oracle["cost_over_bound"]),
+         percent(r.to_oracle["ttft_mean"]), percent(r.to_oracle["jct_mean"]))
+        for name, r in results.items()
+    ]
+    headers = ("policy", "cost vs oracle", "cost vs bound", "TTFT vs oracle", "JCT vs oracle")
     return head + "\n" + format_table(headers, rows)
 
 
@@ -471,14 +505,29 @@ def percent(change: float) -> str:
 
 
 def plot_results(path: str, sweep: list, model: str) -> None:
-    """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity)."""
+    """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity); with an
+    oracle, also the recompute cost with the oracle bracket shaded."""
     from penelope.outputs import save_figure
     from penelope.plotting import pyplot
+    from penelope.sim.bracket import oracle_of
 
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    oracles = [oracle_of(results) for _, results in sweep]
+    fig, axes = plt.subplots(1, 3 if oracles[0] else 2, figsize=(16 if oracles[0] else 11, 4))
+    left, right = axes[:2]
     labels = [format_size(capacity) for capacity, _ in sweep]
     x = list(range(len(sweep)))
+    if oracles[0]:
+        # Recompute cost per policy, the oracle bracket (lower bound to oracle) shaded.
+        for name in sweep[0][1]:
+            axes[2].plot(x, [results[name].summary.recompute_cost for _, results in sweep], "o-", label=name)
+        axes[2].fill_between(x, [o.bound for o in oracles], [o.summary.recompute_cost for o in oracles],
+                             color="grey", alpha=0.3, label="oracle bracket")
+        axes[2].set_xticks(x, labels)
+        axes[2].set_xlabel("GPU KV cache (tokens)")
+        axes[2].set_ylabel("recompute cost (attention-pair units)")
+        axes[2].grid(True, alpha=0.3)
+        axes[2].legend(fontsize=8)
     for name in sweep[0][1]:
         left.plot(x, [results[name].summary.ttft_mean for _, results in sweep], "o-", label=name)
         right.plot(x, [100 * results[name].summary.hit_rate for _, results in sweep], "o-", label=name)

@@ -25,6 +25,7 @@ their GPU slots are handed to new tokens.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.errors import UsageError
 from penelope.phantom import BatchLayout, RequestPlan, build_batch, finish_request, plan_request, release_request
 from penelope.swap_executor import SwapExecutor
+from penelope.waits import ARRIVED, FINISHED, HUMAN, TOOL, Foresight, Hint
 
 LayoutFn = Callable[[list[RequestPlan]], BatchLayout]
 
@@ -261,14 +263,36 @@ def turn_order(workload: AgentWorkload) -> Iterator[tuple[int, int]]:
             yield session, turn
 
 
+def turn_hint(workload: AgentWorkload, session: int, turn: int, now: float, prompt_tokens: int,
+              block_size: int, foresight: bool) -> Hint:
+    """What the server tells the cache when a turn finishes at `now` (one second per request):
+    its session waits for a tool on two turns of three, else for a person; an offline policy also
+    learns the next send (the session's next turn comes `sessions` requests later) and that it
+    reuses the whole prompt."""
+    waits_for = TOOL if (session + turn) % 3 else HUMAN
+    future = None
+    if foresight:
+        last = turn + 1 >= workload.turns
+        future = Foresight(math.inf, 0) if last else Foresight(now + workload.sessions, prompt_tokens
+                                                                // block_size * block_size)
+    return Hint(now, FINISHED, waits_for, future)
+
+
 def run_workload(server: Server, workload: AgentWorkload, logprobs: bool = True) -> RunRecord:
-    """Serve every turn of `workload` through `server`, recording replies and log-probs."""
+    """Serve every turn of `workload` through `server`, recording replies and log-probs. The cache
+    hears of every request's arrival and finish (`turn_hint`), so policies that read hints run
+    with them."""
     system = workload.system_prompt()
     record = RunRecord([SessionRecord(system.copy()) for _ in range(workload.sessions)])
-    for session, turn in turn_order(workload):
+    cache = server.cache
+    foresight = bool(getattr(cache.policy, "uses_foresight", False))
+    for now, (session, turn) in enumerate(turn_order(workload)):
         state = record.sessions[session]
         prompt = np.concatenate([state.history, workload.message(session, turn)])
+        cache.advance(float(now))
+        cache.hint(prompt, Hint(float(now), ARRIVED))
         result = server.serve(prompt, workload.reply_tokens, logprobs=logprobs)
+        cache.hint(prompt, turn_hint(workload, session, turn, float(now), len(prompt), cache.block_size, foresight))
         state.history = np.concatenate([prompt, np.asarray(result.generated, dtype=np.int64)])
         state.replies.append(result.generated)
         for position, row in zip(result.positions.tolist(), result.logprobs, strict=True):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from penelope.costmodel import CostModel
 from penelope.errors import UsageError
+from penelope.sim.bracket import DISTANCE_FIELDS, compare_with_oracle
 from penelope.sim.metrics import CHANGE_FIELDS, Summary
 from penelope.sim.perturb import Perturbation
 from penelope.sim.run import BASELINE, PolicyResult, SimConfig, compare_with_baseline, json_ready, run_policy
@@ -89,6 +90,20 @@ class Ensemble:
             raise UsageError(f"unknown change {field!r}; known: {', '.join(CHANGES)}")
         return Estimate.of([run[policy].changes[field] for run in self.runs], self.confidence)
 
+    @property
+    def has_oracle(self) -> bool:
+        return bool(self.runs[0][self.policies[0]].to_oracle)
+
+    def to_oracle(self, policy: str, field: str) -> Estimate:
+        """Mean and interval of `policy`'s per-run distance to the oracle's run (`field` of
+        `penelope.sim.bracket.DISTANCE_FIELDS` or `cost_over_bound`)."""
+        return Estimate.of([run[policy].to_oracle[field] for run in self.runs], self.confidence)
+
+    def bound(self) -> Estimate:
+        """Mean and interval of the lower bound on recompute cost (the oracle's runs)."""
+        oracle = next(name for name, r in self.runs[0].items() if r.bound is not None)
+        return Estimate.of([run[oracle].bound for run in self.runs], self.confidence)
+
     def verdict(self, policy: str, field: str) -> str:
         """`win`, `loss` or `no significant difference` for `policy`'s change of `field`."""
         return self.change(policy, field).verdict(lower_is_better=field not in HIGHER_IS_BETTER)
@@ -105,6 +120,8 @@ class Ensemble:
                 field: {**self.change(policy, field).as_dict(), "verdict": self.verdict(policy, field)}
                 for field in CHANGES
             },
+            **({"vs_oracle": {field: self.to_oracle(policy, field).as_dict()
+                              for field in (*DISTANCE_FIELDS, "cost_over_bound")}} if self.has_oracle else {}),
             "runs": [run[policy].as_dict() for run in self.runs],
         })
 
@@ -134,7 +151,7 @@ class _Replayer:
         result = run_policy(workload, policy, self.configs[config_index], time_model, self.cost, self.progress)
         # The summaries (fleet ones included) are made: drop what grows with the trace.
         servers = [dataclasses.replace(counters, queue=[]) for counters in result.replay.servers]
-        result.replay = dataclasses.replace(result.replay, records=[], servers=servers)
+        result.replay = dataclasses.replace(result.replay, records=[], servers=servers, events=[])
         return result
 
 
@@ -223,6 +240,7 @@ def run_ensembles(
         for run in range(repeat):
             outcome = {policy: by_task[c, run, policy] for policy in policies}
             compare_with_baseline(outcome)
+            compare_with_oracle(outcome)
             runs.append(outcome)
         ensembles[c] = Ensemble(configs[c], runs, perturbation)
         if on_ensemble is not None:

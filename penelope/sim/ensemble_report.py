@@ -103,6 +103,8 @@ def ensemble_tables(capacity: int, ensemble) -> str:
             mean, interval = change_interval(ensemble.change(name, field), points=field == "hit_rate_points")
             changes.append((name, label, mean, interval, ensemble.verdict(name, field)))
     text = head + "\n" + metrics
+    if ensemble.has_oracle:
+        text += "\n" + oracle_rows(ensemble)
     if changes:
         text += (
             f"\nchanges against {base}, paired run by run (mean and {ensemble.confidence:.0%} interval):\n"
@@ -111,14 +113,32 @@ def ensemble_tables(capacity: int, ensemble) -> str:
     return text
 
 
+def oracle_rows(ensemble) -> str:
+    """The oracle bracket and every policy's distance to the oracle's run, paired run by run."""
+    oracle = next(name for name, r in ensemble.runs[0].items() if r.bound is not None)
+    bracket = (f"oracle bracket: the optimal recompute cost lies in [{plus_minus(ensemble.bound(), '.3g')} "
+               f"(lower bound), {plus_minus(ensemble.estimate(oracle, 'recompute_cost'), '.3g')} (oracle)]; "
+               "distance to the oracle's run, paired run by run:")
+    rows = []
+    for name in ensemble.policies:
+        cells = [" ".join(change_interval(ensemble.to_oracle(name, field))).strip()
+                 for field in ("recompute_cost", "cost_over_bound", "ttft_mean", "jct_mean")]
+        rows.append((name, *cells))
+    return bracket + "\n" + format_table(
+        ("policy", "cost vs oracle", "cost vs bound", "TTFT vs oracle", "JCT vs oracle"), rows)
+
+
 def plot_ensembles(path: str, sweep: list, model: str) -> None:
     """Against the GPU capacity, per policy: mean TTFT, its paired change against SGLang, and the
-    hit rate, each with its interval as error bars."""
+    hit rate, each with its interval as error bars; with an oracle, also the recompute cost with
+    the oracle bracket (lower bound to oracle) shaded."""
     from penelope.outputs import save_figure
     from penelope.plotting import pyplot
 
     plt = pyplot()
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    oracle = sweep[0][1].has_oracle
+    fig, axes = plt.subplots(1, 4 if oracle else 3, figsize=(20 if oracle else 15, 4))
+    left, middle, right = axes[:3]
     labels = [format_size(capacity) for capacity, _ in sweep]
     x = list(range(len(sweep)))
     policies = sweep[0][1].policies
@@ -135,6 +155,18 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
         bars(middle, offset, name, [e.change(name, "ttft_mean") for _, e in sweep], 100.0)
         bars(right, offset, name, [e.estimate(name, "hit_rate") for _, e in sweep], 100.0)
     middle.axhline(0.0, color="black", linewidth=0.8)
+    if oracle:
+        for offset, name in enumerate(policies):
+            bars(axes[3], offset, name, [e.estimate(name, "recompute_cost") for _, e in sweep], 1.0)
+        oracle_name = next(n for n, r in sweep[0][1].runs[0].items() if r.bound is not None)
+        axes[3].fill_between(x, [e.bound().mean for _, e in sweep],
+                             [e.estimate(oracle_name, "recompute_cost").mean for _, e in sweep],
+                             color="grey", alpha=0.3, label="oracle bracket")
+        axes[3].set_xticks(x, labels)
+        axes[3].set_xlabel("GPU KV cache (tokens)")
+        axes[3].set_ylabel("recompute cost (attention-pair units)")
+        axes[3].grid(True, alpha=0.3)
+        axes[3].legend(fontsize=8)
     repeat = sweep[0][1].repeat
     for axis, label in ((left, "mean TTFT (s)"), (middle, "mean TTFT change vs sglang (%), paired"),
                         (right, "hit rate (%)")):

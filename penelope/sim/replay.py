@@ -22,6 +22,15 @@ as if the skipped one had finished at its send time.
 The cost of one event does not grow with the number of requests waiting: the arrival and event
 queues are heaps, and a server's scheduler sorts at most `LPM_QUEUE_MAX` waiting requests
 (SGLang's own limit, see `penelope.sim.scheduler`).
+
+Hints (`penelope.waits`): each server's cache hears of every request's arrival (at its send time)
+and finish, with what the session then waits for: a tool when its next request carries a tool
+result (the reply ended in a tool call; in the WEKA traces 99.8% of replies that stop on
+`tool_use` are followed by a tool request), else a person. Its clock is advanced to the server's
+before every batch. Only a policy that asks for it (`uses_foresight`, the offline oracle) is also
+told the session's next send time and how much of the sequence its next request reuses.
+`ReplayResult.events` lists admissions and finishes in order (for `penelope.sim.bound`; one
+server only).
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ from penelope.sim.router import Router
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Job
 from penelope.sim.server import MAX_DECODE_STEPS, Server, ServerCounters, decode_step_times
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import MAX_CLOCK, Workload
+from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
+from penelope.waits import FINISHED, Foresight, Hint
 
 # Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
 # measured with long nodes, rounded up for histories split into many short nodes.
@@ -97,7 +107,8 @@ class ReplayResult:
     (costed with the time model's `phantom_kernel`); phantom_tokens: hole tokens recomputed by
     phantoms; sim_time: simulated seconds until the last reply; wall_time: seconds the replay
     took; servers: each server's counters (`penelope.sim.server.ServerCounters`); routing: how
-    the router decided, by kind (cache-aware router only)."""
+    the router decided, by kind (cache-aware router only); events: ("admit" | "finish", session
+    number, request index) in the order they happened (one server; empty for several)."""
 
     records: list[RequestRecord] = field(default_factory=list)
     skipped: int = 0
@@ -110,6 +121,7 @@ class ReplayResult:
     wall_time: float = 0.0
     servers: list[ServerCounters] = field(default_factory=list)
     routing: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class Replay:
@@ -150,8 +162,10 @@ class Replay:
         self.time_model = time_model
         self.cost = cost_model
         self.sessions = sessions
+        self._foresight = bool(getattr(caches[0].policy, "uses_foresight", False))
         self.servers = [
-            Server(i, c, time_model, cost_model, order=order, chunk_size=chunk_size, lpm_queue_max=lpm_queue_max)
+            Server(i, c, time_model, cost_model, order=order, chunk_size=chunk_size, lpm_queue_max=lpm_queue_max,
+                   finished_hint=self._finished_hint)
             for i, c in enumerate(caches)
         ]
         self.router = router
@@ -291,9 +305,27 @@ class Replay:
         else:
             self._start_next_session(done)
 
+    def _finished_hint(self, job: Job, tokens, now: float) -> Hint:
+        """What the session of a finished request waits for; its future for an oracle only."""
+        requests = self.workload.sessions[job.number].requests
+        following = requests[job.index + 1] if job.index + 1 < len(requests) else None
+        foresight = None
+        if self._foresight:
+            if following is None:
+                foresight = Foresight(float("inf"), 0)
+            else:
+                send = following.arrival if following.arrival is not None else now + following.think_time
+                bs = self.workload.block_size
+                reuse = min(_shared_keys(job.request.keys, following.keys) * bs, len(tokens) // bs * bs)
+                foresight = Foresight(float(send), int(reuse))
+        return Hint(now, FINISHED, waits_for=following.kind if following is not None else HUMAN,
+                    foresight=foresight)
+
     def _total(self) -> None:
         result = self.result
         result.servers = [server.counters for server in self.servers]
+        if len(self.servers) == 1:
+            result.events = self.servers[0].events
         for counters in result.servers:
             result.prefill_batches += counters.prefill_batches
             result.phantom_batches += counters.phantom_batches
@@ -305,6 +337,13 @@ class Replay:
     def _tick(self) -> None:
         if self.progress is not None:
             self.progress.update(1)
+
+
+def _shared_keys(a: np.ndarray, b: np.ndarray) -> int:
+    """Number of leading block keys `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def replay(workload: Workload, cache, time_model: TimeModel, cost_model: CostModel | None = None, **options):

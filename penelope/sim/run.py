@@ -23,7 +23,8 @@ from penelope.costmodel import CostModel
 from penelope.errors import UsageError
 from penelope.hicache import HiCacheLikeCache
 from penelope.models import ModelShape, get_model
-from penelope.policy import get_policy, policy_names
+from penelope.policy import PAPER_GRID, get_policy, policy_names
+from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound
 from penelope.sim.fleet import FleetSummary, fleet_summary
 from penelope.sim.metrics import Summary, changes_against, summarize
 from penelope.sim.replay import Replay, ReplayResult
@@ -43,20 +44,25 @@ DEFAULT_ROUTER = "cache-aware"
 def ablation_policies() -> list[str]:
     """The paper's six-policy grid, canonical names, SGLang's `leaf-tail-node` first."""
     names = policy_names()
-    if len(names) != 6 or names[0] != BASELINE:
-        raise UsageError(f"the ablation grid needs the six registered policies, found {', '.join(names)}")
-    return names
+    if list(PAPER_GRID) != names[:len(PAPER_GRID)] or PAPER_GRID[0] != BASELINE:
+        raise UsageError(f"the ablation grid needs the six policies {', '.join(PAPER_GRID)} registered first")
+    return list(PAPER_GRID)
+
+
+# Names that stand for several policies in --policies.
+POLICY_GROUPS = {"ablation": ablation_policies, "all": policy_names}
 
 
 def parse_policies(text: str) -> list[str]:
-    """Policy names from `a,b,c` or `ablation`, validated against the registry, duplicates
-    (aliases included) removed. The baseline (`sglang`) is put first when it is missing."""
+    """Policy names from `a,b,c`, `ablation` (the paper's grid) or `all` (every registered
+    policy), validated against the registry, duplicates (aliases included) removed. The baseline
+    (`sglang`) is put first when it is missing."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
         raise UsageError("--policies: empty list")
     names: list[str] = []
     for item in items:
-        names.extend(ablation_policies() if item == "ablation" else [item])
+        names.extend(POLICY_GROUPS[item]() if item in POLICY_GROUPS else [item])
     chosen: list[str] = []
     seen: set[str] = set()
     for name in names:
@@ -145,6 +151,10 @@ class PolicyResult:
     changes: dict[str, float] = field(default_factory=dict)
     tiers: dict | None = None
     fleet: FleetSummary | None = None
+    # The oracle's run only: a lower bound on the recompute cost of the requests it served.
+    bound: float | None = None
+    # Distances to the oracle's run (`penelope.sim.bracket`), when one ran beside this one.
+    to_oracle: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """JSON-ready figures: the summary (times in s, sizes in tokens), counters, and the change
@@ -162,6 +172,10 @@ class PolicyResult:
             wall_time=self.replay.wall_time,
             vs_sglang=dict(self.changes),
         )
+        if self.bound is not None:
+            data["recompute_bound"] = self.bound
+        if self.to_oracle:
+            data["vs_oracle"] = dict(self.to_oracle)
         if self.tiers is not None:
             data["tiers"] = dict(self.tiers)
         if self.fleet is not None:
@@ -182,6 +196,7 @@ def run_policies(
     cost = cost_model if cost_model is not None else CostModel(get_model(time_model.model))
     results = {name: run_policy(workload, name, config, time_model, cost, progress) for name in policies}
     compare_with_baseline(results)
+    compare_with_oracle(results)
     return results
 
 
@@ -194,6 +209,9 @@ def run_policy(
     progress=None,
 ) -> PolicyResult:
     """One replay of `workload` under `policy` from an empty cache; `changes` are left empty."""
+    if config.replicas > 1 and get_policy(policy).name == ORACLE:
+        # Its lower bound replays one cache's admissions and finishes.
+        raise UsageError(f"the {ORACLE} policy and its lower bound need one server, not --replicas {config.replicas}")
     caches = [make_cache(policy, config, cost_model) for _ in range(config.replicas)]
     router = None
     if config.replicas > 1:
@@ -217,8 +235,9 @@ def run_policy(
     if counters[0] is not None:
         tiers = counters[0].as_dict() if len(caches) == 1 else _summed([c.as_dict() for c in counters])
     stats = cache.stats if len(caches) == 1 else _summed_stats([c.stats for c in caches])
+    bound = oracle_bound(workload, outcome, cache, cost_model) if cache.policy.name == ORACLE else None
     summary = summarize(outcome.records)
-    return PolicyResult(policy, cache.policy.name, summary, outcome, stats, tiers=tiers,
+    return PolicyResult(policy, cache.policy.name, summary, outcome, stats, tiers=tiers, bound=bound,
                         fleet=fleet_summary(outcome, workload, config, summary))
 
 

@@ -15,6 +15,11 @@ scheduler sees the request.
 
 `in_flight` counts the requests received and not finished (waiting, prefilling or decoding): the
 load a router sees (SGLang's router counts a worker's requests from routing to response).
+
+Hints (`penelope.waits`): the server tells its cache of every request it receives (`arrived`, at
+its send time) and finishes (`finished`, with what its session waits for next, made by
+`finished_hint`), and advances the cache's clock to its own before every action. `events` lists
+its admissions and finishes in order (for `penelope.sim.bound`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from penelope.costmodel import CostModel
 from penelope.errors import InvariantError
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Chunk, Job, Scheduler
 from penelope.sim.timemodel import TimeModel
+from penelope.waits import ARRIVED, Hint
 
 # Decode steps timed in one array at most (8 MB); a longer reply is decoded over several actions.
 MAX_DECODE_STEPS = 1 << 20
@@ -82,7 +88,8 @@ class Server:
     """One replica over `cache` (a fresh `KVCache` or two-tier cache); see the module docstring.
 
     index: the replica's number; order, chunk_size, lpm_queue_max: the scheduler's
-    (`penelope.sim.scheduler.Scheduler`)."""
+    (`penelope.sim.scheduler.Scheduler`); finished_hint: (job, its sequence's tokens, now) ->
+    the `Hint` the cache is given when the job finishes (None: no finish hints)."""
 
     def __init__(
         self,
@@ -94,6 +101,7 @@ class Server:
         order: str = "lpm",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         lpm_queue_max: int = LPM_QUEUE_MAX,
+        finished_hint=None,
     ):
         self.index = index
         self.cache = cache
@@ -106,6 +114,9 @@ class Server:
         # The clock: the end of the action in progress, or when the server last became idle.
         self.now = 0.0
         self.action: list[Chunk] | _Decode | None = None
+        self.finished_hint = finished_hint
+        # ("admit" | "finish", session number, request index), in the order they happened.
+        self.events: list[tuple[str, int, int]] = []
 
     @property
     def busy(self) -> bool:
@@ -125,6 +136,7 @@ class Server:
         counters.queue.append((now, waiting))
         counters.max_waiting = max(counters.max_waiting, waiting)
         self.scheduler.submit(job)
+        self.cache.hint(job.tokens, Hint(now, ARRIVED))
         self.in_flight += 1
         return self.interrupt(now)
 
@@ -148,6 +160,7 @@ class Server:
     def start(self) -> bool:
         """Start the next action at `now`: a prefill batch if one can be formed, else a decode run.
         False when there is nothing to run (the server idles until a request arrives)."""
+        self.cache.advance(self.now)
         chunks = self.scheduler.form_prefill()
         if chunks:
             self._start_prefill(chunks)
@@ -198,6 +211,7 @@ class Server:
         for chunk in chunks:
             if chunk.job.admit_time is None:
                 chunk.job.admit_time = self.now
+                self.events.append(("admit", chunk.job.number, chunk.job.index))
         counters = self.counters
         counters.prefill_batches += 1
         counters.phantom_batches += holes
@@ -229,4 +243,8 @@ class Server:
         self.counters.last_finish = self.now
         self.in_flight -= 1
         # The record needs the recomputed spans; the scheduler drops the prompt and slots only.
+        tokens = job.tokens
         self.scheduler.release(job)
+        self.events.append(("finish", job.number, job.index))
+        if self.finished_hint is not None:
+            self.cache.hint(tokens, self.finished_hint(job, tokens, self.now))

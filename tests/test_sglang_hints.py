@@ -1,0 +1,81 @@
+"""The agent-aware policies inside SGLang: what a request tells the cache (`hints.wait_kind`), and
+the arrivals and finishes the plugin reports on SGLang 0.5.23's real pools and requests on CPU
+(`sglang_env.Serving`). Not covered here: SGLang's full Engine with a tool-call parser and a
+chat model (the OpenAI layer's tool-call parsing never reaches the scheduler; see hints.py)."""
+from types import SimpleNamespace
+
+import pytest
+from sglang_env import Serving, blocks, sglang_config
+
+from penelope.errors import UsageError
+from penelope.integration.sglang import options_from
+from penelope.integration.sglang.hints import HINT_KEY, wait_kind
+
+TOOL_CALL = 151657
+
+
+@pytest.fixture(autouse=True)
+def _config():
+    with sglang_config():
+        yield
+
+
+def request(output, custom=None):
+    return SimpleNamespace(rid="r1", output_ids=output, sampling_params=SimpleNamespace(custom_params=custom))
+
+
+def test_the_wait_kind_comes_from_the_request_hint_then_the_reply_tokens():
+    assert wait_kind(request([5, TOOL_CALL, 7]), TOOL_CALL) == "tool"
+    assert wait_kind(request([5, 6, 7]), TOOL_CALL) == "human"
+    assert wait_kind(request([5, TOOL_CALL]), None) is None
+    # The client's own hint wins over the reply's tokens.
+    assert wait_kind(request([5, TOOL_CALL], {HINT_KEY: "human"}), TOOL_CALL) == "human"
+    assert wait_kind(request([5], {HINT_KEY: "tool"}), None) == "tool"
+    with pytest.raises(UsageError, match="request r1: custom_params\\['penelope_waits_for'\\] must be one of"):
+        wait_kind(request([5], {HINT_KEY: "soon"}), None)
+
+
+def test_tool_call_token_option():
+    assert options_from({"tool_call_token": TOOL_CALL}, {}).tool_call_token == TOOL_CALL
+    assert options_from(None, {"PENELOPE_TOOL_CALL_TOKEN": "151657"}).tool_call_token == TOOL_CALL
+    assert options_from(None, {}).tool_call_token is None
+    with pytest.raises(UsageError, match="tool_call_token must be a token id"):
+        options_from({"tool_call_token": -1}, {})
+    with pytest.raises(UsageError, match="policy 'oracle' is an offline reference"):
+        options_from({"policy": "oracle"}, {})
+    with pytest.raises(UsageError, match="PENELOPE_TOOL_CALL_TOKEN must be an integer"):
+        options_from(None, {"PENELOPE_TOOL_CALL_TOKEN": "<tool_call>"})
+
+
+def serve(serving, tokens, output, custom=None):
+    """One request through SGLang's pools: admitted, forwarded, its reply `output` recorded, then
+    released as SGLang releases a finished request."""
+    (req,) = serving.admit([tokens])
+    req.sampling_params.custom_params = custom
+    book = serving.cache.cache.policy.book
+    assert book.in_system == 1, "the arrival was not reported"
+    batch = serving.build_batch([req])
+    serving.forward(batch)
+    req.output_ids.extend(output)
+    serving.finish(batch)
+    assert book.in_system == 0
+    return req
+
+
+@pytest.mark.parametrize("policy", ["penelope-agent", "ttl"])
+def test_finished_requests_leave_their_sessions_waiting_for_what_the_reply_shows(policy):
+    serving = Serving(size=64 * 40, policy=policy)
+    serving.cache.options = options_from({"policy": policy, "block_size": 64, "tool_call_token": TOOL_CALL}, {})
+    book = serving.cache.cache.policy.book
+    first = blocks(0, 3)
+    serve(serving, first, [1, TOOL_CALL, 2])
+    assert [record.kind for record in book.waiting] == ["tool"]
+    assert book.waiting[0].blocks == 3
+    # The same session's next turn ends its wait (observed as a tool wait) and leaves it waiting
+    # for a person, as the client says.
+    serve(serving, first + blocks(1000, 2), [3], {HINT_KEY: "human"})
+    assert [record.kind for record in book.waiting] == ["human"] and len(book.observed["tool"]) == 1
+    # Another session: its own record.
+    serve(serving, blocks(5000, 2), [4])
+    assert [record.kind for record in book.waiting] == ["human", "human"]
+    serving.cache.check_invariants()
