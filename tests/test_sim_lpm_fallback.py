@@ -105,3 +105,29 @@ def test_the_limit_must_be_a_positive_count():
     with pytest.raises(UsageError, match="LPM queue limit"):
         Scheduler(KVCache(4 * B, B, "sglang"), "lpm", lpm_queue_max=0)
     assert np.iinfo(np.int64).max > LPM_QUEUE_MAX
+
+
+class RecordingCache(KVCache):
+    """A KVCache that notes the first block key of every sequence it matches, in order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.matched = []
+
+    def match(self, tokens):
+        self.matched.append(int(tokens[0]) // B)
+        return super().match(tokens)
+
+
+def test_the_sort_matches_in_arrival_order_whatever_the_queue_order():
+    # Each match bumps recency, so their order decides later LRU ties: arrival order, as before
+    # the queue kept its last sort (and WEKA replays stay unchanged).
+    cache = RecordingCache(64 * B, B, "sglang")
+    scheduler = Scheduler(cache, "lpm", lpm_queue_max=8)
+    keys = (1000, 1001, 1002, 1003)
+    for i, key in enumerate(keys):
+        scheduler.submit(make_job([key], B + 1, output_tokens=1, send_time=float(i), session=f"s{i}", index=i))
+    # The queue as a previous sort and later arrivals may have left it.
+    scheduler.waiting.reverse()
+    scheduler.form_prefill()
+    assert cache.matched[:len(keys)] == list(keys)

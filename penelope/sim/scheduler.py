@@ -213,12 +213,14 @@ class Scheduler:
     def _sort(self) -> None:
         """Order the queue for the next prefill batch. FCFS: requests are submitted in send-time
         order (`submit` keeps it so), so the queue already is in (send time, arrival) order. LPM on a short queue: by
-        resident prefix, ties by (send time, arrival), matching every request in queue order as
-        SGLang does; on a long queue the order stays as it is (SGLang's fallback)."""
+        resident prefix, ties by (send time, arrival), matching every request (in arrival order);
+        on a long queue the order stays as it is (SGLang's fallback)."""
         if not self.lpm_active:
             return
         # Longest resident match first; SGLang sorts by the length of the matched device prefix.
-        resident = {id(job): self.cache.match(job.tokens[:-1]).hit_tokens for job in self.waiting}
+        # Each match bumps its path's recency: match in arrival order, whatever the queue's order.
+        arrived = sorted(self.waiting, key=lambda job: job.seq)
+        resident = {id(job): self.cache.match(job.tokens[:-1]).hit_tokens for job in arrived}
         self.waiting.sort(key=lambda job: (-resident[id(job)], job.send_time, job.seq))
 
     def _admit(self, job: Job) -> int | None:
