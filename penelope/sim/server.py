@@ -18,7 +18,9 @@ load a router sees (SGLang's router counts a worker's requests from routing to r
 
 Hints (`penelope.waits`): the server tells its cache of every request it receives (`arrived`, at
 its send time) and finishes (`finished`, with what its session waits for next, made by
-`finished_hint`), and advances the cache's clock to its own before every action. `events` lists
+`finished_hint`), and advances the cache's clock to its own before every action. A request that
+arrives during an action is hinted when the action completes, after the requests it finished (a
+scheduler sees new requests between batches). `events` lists
 its admissions and finishes in order (for `penelope.sim.bound`).
 """
 
@@ -117,6 +119,8 @@ class Server:
         self.finished_hint = finished_hint
         # ("admit" | "finish", session number, request index), in the order they happened.
         self.events: list[tuple[str, int, int]] = []
+        # Arrival hints of requests received during the action in progress: (tokens, send time).
+        self._arrivals: list[tuple[np.ndarray, float]] = []
 
     @property
     def busy(self) -> bool:
@@ -136,7 +140,10 @@ class Server:
         counters.queue.append((now, waiting))
         counters.max_waiting = max(counters.max_waiting, waiting)
         self.scheduler.submit(job)
-        self.cache.hint(job.tokens, Hint(now, ARRIVED))
+        if self.busy:
+            self._arrivals.append((job.tokens, now))
+        else:
+            self.cache.hint(job.tokens, Hint(now, ARRIVED))
         self.in_flight += 1
         return self.interrupt(now)
 
@@ -181,8 +188,13 @@ class Server:
         """Apply the action that ends at `now`; the requests it finished, in order (their KV
         inserted into the cache and released)."""
         action, self.action = self.action, None
-        if isinstance(action, _Decode):
-            return self._complete_decode(action)
+        done = self._complete_decode(action) if isinstance(action, _Decode) else self._complete_prefill(action)
+        for tokens, sent in self._arrivals:
+            self.cache.hint(tokens, Hint(sent, ARRIVED))
+        self._arrivals.clear()
+        return done
+
+    def _complete_prefill(self, action: list[Chunk]) -> list[Job]:
         done = []
         for chunk in action:
             if not chunk.last:
