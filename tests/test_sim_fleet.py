@@ -201,3 +201,31 @@ def test_parallel_results_come_back_in_task_order_whatever_order_they_finish(tmp
         assert one.config == other.config
         assert one.runs[0]["sglang"].summary == other.runs[0]["sglang"].summary
         assert one.runs[0]["sglang"].fleet == other.runs[0]["sglang"].fleet
+
+
+class HintLog(KVCache):
+    """A KVCache that notes every hint (event, time) and clock advance it receives, in order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = []
+
+    def hint(self, tokens, hint):
+        self.log.append((hint.event, hint.now))
+        super().hint(tokens, hint)
+
+    def advance(self, now):
+        self.log.append(("advance", now))
+        super().advance(now)
+
+
+def test_a_request_arriving_during_a_batch_is_hinted_after_the_batch_finishes():
+    # A's prefill (200 tokens, about 0.4 s) is running when B arrives at 0.01 s: a scheduler sees
+    # B between batches, so the cache hears of A's finish first.
+    work = workload([[request([1, 2, 3], 200, 1, arrival=0.0, tail=0)],
+                     [request([4], 70, 1, arrival=0.01, tail=1)]], closed_loop=False)
+    cache = HintLog(4096, B, "sglang")
+    Replay(work, cache, simple_time_model(), COST).run()
+    events = [event for event, _ in cache.log]
+    assert events[:4] == ["arrived", "advance", "finished", "arrived"]
+    assert cache.log[3] == ("arrived", 0.01) and cache.log[2][1] > 0.01
