@@ -92,6 +92,11 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["verify", "--cache-tokens", "2000000000"], "K/V pools of"),
     (["verify", "--engine", "sglang", "--atol", "nan"], "--atol must be a finite"),
     (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
+    (["simulate", "--trace", ""], "--trace: empty value"),
+    (["simulate", "--calibration", " "], "--calibration: empty value"),
+    (["cost", "--model", ""], "--model: empty value"),
+    (["reproduce", "--out", ""], "--out: empty value"),
+    (["verify", "--engine", "sglang", "--engine-arg", ""], "--engine-arg: empty value"),
     (["verify", "--engine", "sglang", "--attention", "triton"], "--attention applies to --engine reference only"),
     (["verify", "--engine", "sglang", "--swap-buffer", "64"], "--swap-buffer applies to --engine reference only"),
     (["verify", "--chunk", "256"], "--chunk applies to --engine sglang only"),
@@ -311,3 +316,17 @@ def test_option_errors_are_found_before_the_workload_is_loaded(args, monkeypatch
     monkeypatch.setattr(options, "load_workload", loaded)
     assert main(["simulate", *args, "--no-progress"]) == 2
     one_error(capsys)
+
+
+def test_a_named_pipe_nobody_reads_is_refused_before_the_run(tmp_path, capsys):
+    """Writing would block forever after the whole run."""
+    pipe = tmp_path / "out.json"
+    os.mkfifo(pipe)
+    assert main(["cost", "--json", str(pipe)]) == 2
+    one_error(capsys, f"--json {pipe} is a named pipe that no process reads")
+
+
+def test_a_full_device_names_the_file(capsys):
+    assert main(["cost", "--json", "/dev/full"]) == 1
+    err = capsys.readouterr().err
+    assert err == "penelope: error: /dev/full: No space left on device\n", err
