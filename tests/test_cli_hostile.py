@@ -108,6 +108,12 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["verify", "--engine", "sglang", "--model", "/no/such/model"], "--model /no/such/model: not a checkpoint"),
     (["verify", "--engine", "sglang", "--engine-arg", "page_size=16"], "--engine-arg page_size: the check sets it;"),
     (["verify", "--engine", "sglang", "--engine-arg", "no_such_arg=1"], "--engine-arg no_such_arg: not an argument"),
+    (["verify", "--engine", "sglang", "--engine-arg", "tp_size=NaN"], "--engine-arg tp_size: expected int, got NaN"),
+    (["verify", "--engine", "sglang", "--engine-arg", "mem_fraction_static=\"x\""],
+     "--engine-arg mem_fraction_static: expected float or null"),
+    (["verify", "--engine", "sglang", "--engine-arg", "enable_deterministic_inference=1"],
+     "--engine-arg enable_deterministic_inference: expected bool, got 1"),
+    (["verify", "--engine", "sglang", "--cpu-cache", "-64"], "--cpu-cache must be a non-negative number"),
 ])
 def test_bad_numbers_and_names(args, message, capsys):
     assert main([*args, "--no-progress"] if args[0] == "simulate" else args) == 2
@@ -330,3 +336,12 @@ def test_a_full_device_names_the_file(capsys):
     assert main(["cost", "--json", "/dev/full"]) == 1
     err = capsys.readouterr().err
     assert err == "penelope: error: /dev/full: No space left on device\n", err
+
+
+def test_verify_on_cpu_without_sglangs_cpu_kernels_says_so_before_any_engine(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sgl_kernel" else real(name, *a))
+    assert main(["verify", "--engine", "sglang"]) == 2
+    one_error(capsys, "needs SGLang's CPU kernel package sgl_kernel")
