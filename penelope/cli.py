@@ -91,7 +91,8 @@ def _main(argv: list[str] | None) -> int:
         # --help (0) or a bad option, already reported in one line (2).
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     if args.command is None:
-        parser.print_help()
+        # No command: the help, as the error it is (on stderr, like every other usage error).
+        parser.print_help(sys.stderr)
         return EXIT_USAGE
     module = importlib.import_module(f"penelope.commands.{args.command}")
     try:

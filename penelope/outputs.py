@@ -88,7 +88,8 @@ def _check_not_input(flag: str, path: str, target: str, input_flag: str, input_p
     source = os.path.realpath(input_path)
     if target == source or (os.path.exists(target) and os.path.exists(source) and os.path.samefile(target, source)):
         raise UsageError(f"{flag} {path} is the input {input_flag} {input_path}; it would be overwritten")
-    if os.path.isdir(source) and os.path.dirname(target) == source and target.endswith(".json"):
+    if (input_flag in ("--trace", "PATH") and os.path.isdir(source) and os.path.dirname(target) == source
+            and target.endswith(".json")):
         raise UsageError(f"{flag} {path} is inside the trace folder {input_path}, where it would be read as a "
                          "trace; write it elsewhere")
 
@@ -117,9 +118,9 @@ def check_folder(flag: str, path: str) -> Path:
     """An output folder: created when missing (with its parents); raises UsageError when `path` is
     a file or cannot be created or written."""
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"{flag} {path} is a file, not a folder")
     try:
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"{flag} {path} is a file, not a folder")
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"{flag} {path}: cannot create this folder ({err.strerror})") from None

@@ -352,3 +352,21 @@ def test_verify_on_cpu_without_sglangs_cpu_kernels_says_so_before_any_engine(mon
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sgl_kernel" else real(name, *a))
     assert main(["verify", "--engine", "sglang"]) == 2
     one_error(capsys, "needs SGLang's CPU kernel package sgl_kernel")
+
+
+def test_no_command_is_a_usage_error_on_stderr(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: penelope")
+
+
+def test_an_output_folder_name_too_long_is_a_usage_error(tmp_path, capsys):
+    assert main(["reproduce", "--out", str(tmp_path / ("x" * 300))]) == 2
+    one_error(capsys, "--out", "cannot create this folder")
+
+
+def test_a_json_beside_a_model_folder_is_not_called_a_trace(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    main(["verify", "--engine", "sglang", "--model", ".", "--json", "w.json"])
+    assert "trace folder" not in capsys.readouterr().err
