@@ -370,3 +370,13 @@ def test_a_json_beside_a_model_folder_is_not_called_a_trace(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     main(["verify", "--engine", "sglang", "--model", ".", "--json", "w.json"])
     assert "trace folder" not in capsys.readouterr().err
+
+
+def test_a_mooncake_trace_of_requests_over_the_window_says_so(tmp_path, capsys):
+    trace = tmp_path / "huge.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 300_000, "output_length": 1,
+                                 "hash_ids": list(range(586))}) + "\n")
+    assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 2
+    one_error(capsys, "all 1 requests are longer than --max-context 131,072")
+    assert main(["simulate", "--trace", "/dev/zero", "--format", "mooncake", "--no-progress"]) == 2
+    one_error(capsys, "/dev/zero: not a regular file")
