@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_no_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An option given an empty text (`--trace ""`, a shell variable that was not set) is an
+    error: no option of any command takes one, and read as a path it would mean the current
+    folder or a default."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in subparsers.choices[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
+            raise UsageError(f"{action.option_strings[-1]}: empty value")
+
+
 def main(argv: list[str] | None = None) -> int:
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -79,10 +91,12 @@ def _main(argv: list[str] | None) -> int:
         # --help (0) or a bad option, already reported in one line (2).
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     if args.command is None:
-        parser.print_help()
+        # No command: the help, as the error it is (on stderr, like every other usage error).
+        parser.print_help(sys.stderr)
         return EXIT_USAGE
     module = importlib.import_module(f"penelope.commands.{args.command}")
     try:
+        check_no_empty_values(parser, args)
         return int(module.run(args) or 0)
     except UsageError as err:
         _say(f"penelope: error: {one_line(err)}")

@@ -12,6 +12,7 @@ the target, so an interrupted or failed write leaves the old file as it was.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -54,7 +55,13 @@ def check_output(flag: str, path: str) -> str:
         raise UsageError(f"{flag} {path}: folder {os.path.dirname(os.path.abspath(path)) or '.'} does not exist")
     exists = os.path.exists(target)
     if exists and not os.path.isfile(target):
-        # A device or a pipe (/dev/null, /dev/stdout): written in place, nothing to probe.
+        # A device or a pipe (/dev/null, /dev/stdout): written in place. A named pipe nobody
+        # reads would block the write forever, after the whole run.
+        if stat.S_ISFIFO(os.stat(target).st_mode):
+            try:
+                os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                raise UsageError(f"{flag} {path} is a named pipe that no process reads") from None
         return target
     if not os.access(target if exists else folder, os.W_OK):
         raise UsageError(f"{flag} {path}: not writable")
@@ -81,7 +88,8 @@ def _check_not_input(flag: str, path: str, target: str, input_flag: str, input_p
     source = os.path.realpath(input_path)
     if target == source or (os.path.exists(target) and os.path.exists(source) and os.path.samefile(target, source)):
         raise UsageError(f"{flag} {path} is the input {input_flag} {input_path}; it would be overwritten")
-    if os.path.isdir(source) and os.path.dirname(target) == source and target.endswith(".json"):
+    if (input_flag in ("--trace", "PATH") and os.path.isdir(source) and os.path.dirname(target) == source
+            and target.endswith(".json")):
         raise UsageError(f"{flag} {path} is inside the trace folder {input_path}, where it would be read as a "
                          "trace; write it elsewhere")
 
@@ -110,9 +118,9 @@ def check_folder(flag: str, path: str) -> Path:
     """An output folder: created when missing (with its parents); raises UsageError when `path` is
     a file or cannot be created or written."""
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"{flag} {path} is a file, not a folder")
     try:
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"{flag} {path} is a file, not a folder")
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"{flag} {path}: cannot create this folder ({err.strerror})") from None
@@ -124,8 +132,11 @@ def write_text(path: str, text: str) -> None:
     """Write `text` to `path` through a temporary file renamed over it (devices and pipes in place)."""
     target = os.path.realpath(path)
     if os.path.exists(target) and not os.path.isfile(target):
-        with open(target, "w") as handle:
-            handle.write(text)
+        try:
+            with open(target, "w") as handle:
+                handle.write(text)
+        except OSError as err:
+            raise OSError(err.errno, f"{path}: {err.strerror}") from None
         return
     _replace(target, lambda temporary: Path(temporary).write_text(text))
 

@@ -92,6 +92,18 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["verify", "--cache-tokens", "2000000000"], "K/V pools of"),
     (["verify", "--engine", "sglang", "--atol", "nan"], "--atol must be a finite"),
     (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
+    (["simulate", "--trace", ""], "--trace: empty value"),
+    (["simulate", "--overflow", "explode"], "argument --overflow: invalid choice: 'explode'"),
+    (["simulate", "--subagents", "maybe"], "argument --subagents: invalid choice: 'maybe'"),
+    (["simulate", "--swap-buffer", "2K"], "--swap-buffer applies to the two tiers: give --cpu-cache too"),
+    (["simulate", "--think-time", "tool,tool,recorded"], "'tool' contradicts or repeats an earlier item"),
+    (["simulate", "--think-time", "scale:1,scale:2"], "'scale:2' contradicts or repeats an earlier item"),
+    (["simulate", "--think-time", "cap:1e400"], "think-time cap must be a finite non-negative"),
+    (["simulate", "--sessions", "99999999999999999999"], "--sessions must be in [1, 1,048,576]"),
+    (["simulate", "--calibration", " "], "--calibration: empty value"),
+    (["cost", "--model", ""], "--model: empty value"),
+    (["reproduce", "--out", ""], "--out: empty value"),
+    (["verify", "--engine", "sglang", "--engine-arg", ""], "--engine-arg: empty value"),
     (["verify", "--engine", "sglang", "--attention", "triton"], "--attention applies to --engine reference only"),
     (["verify", "--engine", "sglang", "--swap-buffer", "64"], "--swap-buffer applies to --engine reference only"),
     (["verify", "--chunk", "256"], "--chunk applies to --engine sglang only"),
@@ -103,6 +115,12 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["verify", "--engine", "sglang", "--model", "/no/such/model"], "--model /no/such/model: not a checkpoint"),
     (["verify", "--engine", "sglang", "--engine-arg", "page_size=16"], "--engine-arg page_size: the check sets it;"),
     (["verify", "--engine", "sglang", "--engine-arg", "no_such_arg=1"], "--engine-arg no_such_arg: not an argument"),
+    (["verify", "--engine", "sglang", "--engine-arg", "tp_size=NaN"], "--engine-arg tp_size: expected int, got NaN"),
+    (["verify", "--engine", "sglang", "--engine-arg", "mem_fraction_static=\"x\""],
+     "--engine-arg mem_fraction_static: expected float or null"),
+    (["verify", "--engine", "sglang", "--engine-arg", "enable_deterministic_inference=1"],
+     "--engine-arg enable_deterministic_inference: expected bool, got 1"),
+    (["verify", "--engine", "sglang", "--cpu-cache", "-64"], "--cpu-cache must be a non-negative number"),
 ])
 def test_bad_numbers_and_names(args, message, capsys):
     assert main([*args, "--no-progress"] if args[0] == "simulate" else args) == 2
@@ -311,3 +329,54 @@ def test_option_errors_are_found_before_the_workload_is_loaded(args, monkeypatch
     monkeypatch.setattr(options, "load_workload", loaded)
     assert main(["simulate", *args, "--no-progress"]) == 2
     one_error(capsys)
+
+
+def test_a_named_pipe_nobody_reads_is_refused_before_the_run(tmp_path, capsys):
+    """Writing would block forever after the whole run."""
+    pipe = tmp_path / "out.json"
+    os.mkfifo(pipe)
+    assert main(["cost", "--json", str(pipe)]) == 2
+    one_error(capsys, f"--json {pipe} is a named pipe that no process reads")
+
+
+def test_a_full_device_names_the_file(capsys):
+    assert main(["cost", "--json", "/dev/full"]) == 1
+    err = capsys.readouterr().err
+    assert err == "penelope: error: /dev/full: No space left on device\n", err
+
+
+def test_verify_on_cpu_without_sglangs_cpu_kernels_says_so_before_any_engine(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sgl_kernel" else real(name, *a))
+    assert main(["verify", "--engine", "sglang"]) == 2
+    one_error(capsys, "needs SGLang's CPU kernel package sgl_kernel")
+
+
+def test_no_command_is_a_usage_error_on_stderr(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: penelope")
+
+
+def test_an_output_folder_name_too_long_is_a_usage_error(tmp_path, capsys):
+    assert main(["reproduce", "--out", str(tmp_path / ("x" * 300))]) == 2
+    one_error(capsys, "--out", "cannot create this folder")
+
+
+def test_a_json_beside_a_model_folder_is_not_called_a_trace(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    main(["verify", "--engine", "sglang", "--model", ".", "--json", "w.json"])
+    assert "trace folder" not in capsys.readouterr().err
+
+
+def test_a_mooncake_trace_of_requests_over_the_window_says_so(tmp_path, capsys):
+    trace = tmp_path / "huge.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 300_000, "output_length": 1,
+                                 "hash_ids": list(range(586))}) + "\n")
+    assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 2
+    one_error(capsys, "all 1 requests are longer than --max-context 131,072")
+    assert main(["simulate", "--trace", "/dev/zero", "--format", "mooncake", "--no-progress"]) == 2
+    one_error(capsys, "/dev/zero: not a regular file")

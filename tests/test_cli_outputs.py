@@ -277,3 +277,38 @@ def test_sigterm_to_the_command_stops_it_and_its_workers(tmp_path):
     else:
         os.killpg(process.pid, signal.SIGKILL)
         raise AssertionError("worker processes outlived the command")
+
+
+def _ensemble_process(tmp_path):
+    out = tmp_path / "sim.json"
+    command = [sys.executable, "-m", "penelope.cli", "simulate", "--limit-sessions", "6", "--gpu-cache", "64K,96K",
+               "--repeat", "30", "--jobs", "2", "--no-progress", "--json", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    for text in iter(process.stdout.readline, ""):
+        if text.startswith("ensemble:"):
+            break
+    time.sleep(2)
+    return process
+
+
+@pytest.mark.parametrize(("signals", "code", "line"), [
+    ((signal.SIGINT, signal.SIGINT), 130, "penelope: interrupted"),
+    ((signal.SIGINT, signal.SIGINT, signal.SIGINT), 130, "penelope: interrupted"),
+    ((signal.SIGTERM,), 143, "penelope: terminated"),
+    ((signal.SIGTERM, signal.SIGINT), 143, "penelope: terminated"),
+])
+def test_signals_to_the_whole_group_of_a_parallel_ensemble(tmp_path, signals, code, line):
+    """An impatient user presses Ctrl-C twice (or a service manager signals the whole group): the
+    command still exits at once with one line, no traceback from any worker or thread."""
+    process = _ensemble_process(tmp_path)
+    for sig in signals:
+        os.killpg(process.pid, sig)
+        time.sleep(0.1)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the command hung after the signals") from None
+    assert process.returncode == code, err
+    assert err.count("\n") == 1 and err.startswith(line) and "Traceback" not in err, err

@@ -3,6 +3,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from penelope.cli import main
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -60,3 +62,13 @@ def test_reproduce_stops_at_the_first_failing_step(tmp_path, capsys):
     rc = main(["reproduce", "--out", str(tmp_path), "--model", "no-such-model", "--no-progress"])
     assert rc == 2
     assert not (tmp_path / "simulate.json").exists()
+
+
+@pytest.mark.parametrize("extra", [["--band", "5"], ["--jitter", "-1"], ["--jobs", "0"], ["--limit-sessions", "0"],
+                                   ["--repeat", "1", "--band", "0.1"]])
+def test_bad_replay_options_stop_reproduce_before_the_first_step(tmp_path, capsys, extra):
+    out = tmp_path / "results"
+    assert main(["reproduce", "--no-progress", "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("penelope: error: ") and err.count("\n") == 1, err
+    assert not out.exists() or not any(out.iterdir())

@@ -236,3 +236,36 @@ def test_warm_up_validates_and_needs_no_compile_under_the_interpreter():
         warm_up_ragged_attention(k_buffer, table, num_q_heads=12)
     with pytest.raises(ValueError, match="req_to_token must be int32"):
         warm_up_ragged_attention(k_buffer, table.long(), num_q_heads=32)
+
+
+_UNSEEN_WRITE = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import torch
+from test_ragged_attention import make_batch, plan_for, run_kernel
+batch = make_batch([(96, [(0, 20), (40, 20)])], 4, 2, 64, torch.float32)
+plan = plan_for(batch)
+table = batch["req_to_token"]
+version = table._version
+table.{how}[0, 5] = 10**9
+assert table._version == version, "torch saw the write: this test needs one it does not see"
+out = run_kernel(batch, plan=plan)
+out = out[0] if isinstance(out, tuple) else out
+print("finite" if bool(torch.isfinite(out).all()) else "not finite")
+"""
+
+
+@pytest.mark.parametrize("how", ["numpy()", "data"])
+def test_a_table_written_behind_torchs_back_never_reads_outside_the_pool(how):
+    """The version check cannot see a write through `.numpy()` or `.data` (nor, on a GPU, one by
+    another kernel): the slot read past the pool is clamped inside the kernel, so the call stays
+    memory-safe (its numbers are then those of slot 0: the caller broke the plan's contract).
+    In a child process, since the failure this guards against is a segfault."""
+    import subprocess
+
+    script = _UNSEEN_WRITE.format(tests=str(Path(__file__).parent), root=str(Path(__file__).parents[1]),
+                                  how=how)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "finite"

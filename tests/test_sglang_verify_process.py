@@ -2,6 +2,7 @@
 scheduler and detokenizer) are stopped on a timeout or on any exception (Ctrl-C, SIGTERM)."""
 from __future__ import annotations
 
+import os
 import signal
 import stat
 import time
@@ -93,3 +94,26 @@ def test_a_small_pool_that_never_evicted_does_not_pass(monkeypatch, evicted, dem
     report = verify.check("no-model", spec)
     assert report["comparison"]["identical_tokens"] and report["evicted_tokens"] == evicted + demoted
     assert report["passed"] is passed
+
+
+def test_a_failed_engine_is_one_line_and_its_output_is_kept(tmp_path, monkeypatch):
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\necho 'loading'\necho 'Traceback (most recent call last):' >&2\n"
+                      "echo '  File \"x.py\", line 1' >&2\necho 'ValueError: invalid attention backend nope' >&2\n"
+                      "echo '[2026] scheduler exited' >&2\nexit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(verify.sys, "executable", str(script))
+    with pytest.raises(RuntimeError) as error:
+        verify.run_engine("model", AgentTraffic(), EngineSetup(pool_tokens=1024), timeout=60)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "failed (exit 1): ValueError: invalid attention backend nope; its whole output: " in message
+    log = message.rpartition("its whole output: ")[2]
+    assert "scheduler exited" in open(log).read()
+    os.unlink(log)
+
+
+def test_failure_line_picks_the_last_exception():
+    assert verify.failure_line("a\nKeyError: 'x'\nb\nRuntimeError: boom\nbye\n") == "RuntimeError: boom"
+    assert verify.failure_line("just text\nlast\n") == "last"
+    assert verify.failure_line("") == "no output"

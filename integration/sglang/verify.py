@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,9 +81,28 @@ def run_engine(model: str, traffic: AgentTraffic, setup: EngineSetup, env: dict 
             raise
         _stop_group(child)
         if child.returncode != 0 or not out.exists():
-            tail = "\n".join(output.splitlines()[-25:])
-            raise RuntimeError(f"the {setup.cache} Engine run failed (exit {child.returncode}):\n{tail}")
+            raise RuntimeError(f"the {setup.cache} Engine run failed (exit {child.returncode}): "
+                               f"{failure_line(output)}; its whole output: {_keep_log(output)}")
         return json.loads(out.read_text())
+
+
+def failure_line(output: str) -> str:
+    """The line of a failed Engine's output that says why: the last exception raised (SGLang's
+    scheduler reports it in its own processes' tracebacks), else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if _EXCEPTION.match(line)]
+    return (errors or lines or ["no output"])[-1]
+
+
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)|AssertionError)(:|$)")
+
+
+def _keep_log(output: str) -> str:
+    """Write a failed Engine's output to a file of its own (kept after the check) and name it."""
+    handle, path = tempfile.mkstemp(prefix="penelope-engine-", suffix=".log")
+    with os.fdopen(handle, "w") as log:
+        log.write(output)
+    return path
 
 
 def _stop_group(child: subprocess.Popen) -> None:

@@ -65,6 +65,7 @@ def _attend_kv_tile(
     k_ptr,
     v_ptr,
     slot_row_ptr,
+    num_slots,
     start_n,
     q_pos,
     last_pos,
@@ -94,6 +95,9 @@ def _attend_kv_tile(
         # Interior tile: every position is <= the tile's first query, hence in range and visible.
         k_valid = offs_n < BLOCK_N
         slots = tl.load(slot_row_ptr + k_pos).to(tl.int64)
+    # The plan checked every slot, but a table written after planning without torch seeing it (a
+    # raw pointer, .numpy(), another kernel) could hold anything: never address outside the pool.
+    slots = tl.where((slots >= 0) & (slots < num_slots), slots, 0)
     kt_ptrs = k_ptr + kv_head * stride_kh + slots[None, :] * stride_kt + offs_d[:, None]
     v_ptrs = v_ptr + kv_head * stride_vh + slots[:, None] * stride_vt + offs_d[None, :]
     if MASKED or BLOCK_D != HEAD_DIM:
@@ -126,7 +130,7 @@ def _attend_kv_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_req"])
+@triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_req", "num_slots"])
 def _ragged_prefill_fwd_kernel(
     o_ptr,
     lse_ptr,
@@ -148,6 +152,7 @@ def _ragged_prefill_fwd_kernel(
     stride_lt,
     stride_lh,
     stride_req,
+    num_slots,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -199,14 +204,14 @@ def _ragged_prefill_fwd_kernel(
     for start_n in range(0, n_interior * BLOCK_N, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, slot_row_ptr, start_n, q_pos, last_pos, kv_head,
+            acc, l_i, m_i, q, k_ptr, v_ptr, slot_row_ptr, num_slots, start_n, q_pos, last_pos, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_FP32, DOT_PRECISION,
         )
     for start_n in range(n_interior * BLOCK_N, n_visit * BLOCK_N, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, slot_row_ptr, start_n, q_pos, last_pos, kv_head,
+            acc, l_i, m_i, q, k_ptr, v_ptr, slot_row_ptr, num_slots, start_n, q_pos, last_pos, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_FP32, DOT_PRECISION,
         )
@@ -286,7 +291,7 @@ def ragged_launch(q, k_buffer, v_buffer, req_to_token, tiles, status, sm_scale, 
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
-        req_to_token.stride(0), sm_scale * math.log2(math.e),
+        req_to_token.stride(0), min(k_buffer.shape[0], v_buffer.shape[0]), sm_scale * math.log2(math.e),
     )
     kwargs = dict(
         HEAD_DIM=head_dim,

@@ -38,6 +38,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from penelope.cli import build_parser, main
+    from penelope.commands.simulate import ensemble_options
     from penelope.errors import UsageError
     from penelope.models import get_model, model_path
     from penelope.outputs import check_folder, check_outputs
@@ -74,10 +75,15 @@ def run(args) -> int:
     parser = build_parser()
     for _, argv in steps:
         try:
-            parser.parse_args(argv)
+            parsed = parser.parse_args(argv)
         except SystemExit as error:
             # The parser has said what is wrong, in one line.
             return error.code if isinstance(error.code, int) else 2
+        if parsed.command == "simulate":
+            # The replay options' ranges, checked before the first step writes anything.
+            ensemble_options(parsed)
+            if parsed.limit_sessions is not None and parsed.limit_sessions < 1:
+                raise UsageError(f"--limit-sessions must be at least 1, got {parsed.limit_sessions}")
     for number, (title, argv) in enumerate(steps, 1):
         print(f"\n== {number}/{len(steps)} {title}: penelope {' '.join(argv)}", flush=True)
         rc = main(argv)

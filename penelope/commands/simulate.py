@@ -56,7 +56,7 @@ def add_parser(subparsers) -> None:
         "two-tier cache",
     )
     parser.add_argument(
-        "--swap-buffer", default="1K", help="two-tier: host tokens reserved for loads when both tiers are full"
+        "--swap-buffer", help="two-tier: host tokens reserved for loads when both tiers are full (default 1K)"
     )
     parser.add_argument("--sessions", type=int, default=4, help="sessions active at once (closed loop)")
     parser.add_argument(
@@ -271,7 +271,9 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     time_model = dataclasses.replace(time_model, phantom_kernel=getattr(args, "phantom_kernel", "fa3"))
     capacities = parse_size_list(args.gpu_cache, "--gpu-cache") if args.gpu_cache else []
     cpu_cache = parse_size(args.cpu_cache, "--cpu-cache", allow_zero=True)
-    swap_buffer = parse_size(getattr(args, "swap_buffer", "1K"), "--swap-buffer")
+    if getattr(args, "swap_buffer", None) is not None and not cpu_cache:
+        raise UsageError("--swap-buffer applies to the two tiers: give --cpu-cache too")
+    swap_buffer = parse_size(getattr(args, "swap_buffer", None) or "1K", "--swap-buffer")
     chunk_size = parse_size(args.chunk_size, "--chunk-size")
 
     routers = routers_from_args(args, sweep=sweep_routers)

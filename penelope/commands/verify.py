@@ -440,6 +440,8 @@ def check_sglang_options(args) -> None:
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"--device {args.device}: --engine sglang runs on cpu or cuda; pick the GPU with "
                          "--engine-arg base_gpu_id=N")
+    if args.cpu_cache < 0:
+        raise UsageError(f"--cpu-cache must be a non-negative number of tokens, got {args.cpu_cache}")
     if args.cpu_cache and args.cpu_cache % args.page_size:
         raise UsageError(f"--cpu-cache {args.cpu_cache} is not a multiple of --page-size {args.page_size}")
     longest = (args.system_tokens + args.message_tokens
@@ -453,20 +455,65 @@ def check_sglang_options(args) -> None:
 
 
 def check_engine_arg_keys(extra: dict) -> None:
-    """Every `--engine-arg` key is a field of SGLang's ServerArgs the check does not set itself."""
+    """Every `--engine-arg` is a field of SGLang's ServerArgs the check does not set itself, with
+    a value of the field's plain type (int, float, bool, str; None where optional). SGLang checks
+    the rest when the Engine starts."""
     for key in extra:
         if key in OWN_ENGINE_ARGS:
             flag = OWN_ENGINE_ARGS[key]
             raise UsageError(f"--engine-arg {key}: the check sets it" + (f"; use {flag}" if flag else ""))
+    if not extra:
+        return
+    server_args = _server_args_class()
+    hints = _field_types(server_args)
+    for key, value in extra.items():
+        if key not in hints:
+            raise UsageError(f"--engine-arg {key}: not an argument of sglang.Engine (ServerArgs)")
+        _check_plain_type(key, value, hints[key])
+
+
+def _server_args_class():
+    import warnings
+
     try:
-        from sglang.srt.server_args import ServerArgs
+        with warnings.catch_warnings():
+            # SGLang warns on import about quantizations a CPU lacks; nothing the user asked about.
+            warnings.simplefilter("ignore")
+            from sglang.srt.server_args import ServerArgs
     except ImportError as error:
         raise UsageError(f"--engine sglang needs SGLang 0.5.23 installed ({error})") from None
-    # ServerArgs is a msgspec Struct in 0.5.23; its annotations name every argument either way.
-    known = set(getattr(ServerArgs, "__struct_fields__", ())) | set(getattr(ServerArgs, "__annotations__", {}))
-    for key in extra:
-        if key not in known:
-            raise UsageError(f"--engine-arg {key}: not an argument of sglang.Engine (ServerArgs)")
+    return ServerArgs
+
+
+def _field_types(server_args) -> dict:
+    """ServerArgs field -> annotation (a msgspec Struct in 0.5.23; a dataclass before)."""
+    import typing
+
+    try:
+        return typing.get_type_hints(server_args)
+    except Exception:  # an annotation that does not resolve: names only
+        return dict.fromkeys(getattr(server_args, "__annotations__", {}), typing.Any)
+
+
+def _check_plain_type(key: str, value, hint) -> None:
+    import types
+    import typing
+
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    plain = [t for t in options if t in (int, float, bool, str, type(None))]
+    if len(plain) != len(options):
+        return  # lists, dicts, literals: SGLang checks them
+    if isinstance(value, bool):
+        ok = bool in plain
+    elif isinstance(value, int):
+        ok = int in plain or float in plain
+    elif isinstance(value, float):
+        ok = float in plain and math.isfinite(value)
+    else:
+        ok = any(t is not bool and isinstance(value, t) for t in plain) or (value is None and type(None) in plain)
+    if not ok:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in plain)
+        raise UsageError(f"--engine-arg {key}: expected {names}, got {json.dumps(value)}")
 
 
 def engine_args(items: list[str]) -> dict:
@@ -491,6 +538,12 @@ def run_sglang(args) -> int:
     check_sglang_options(args)
     extra = engine_args(args.engine_arg)
     check_engine_arg_keys(extra)
+    if args.device == "cpu":
+        import importlib.util
+
+        if importlib.util.find_spec("sgl_kernel") is None:
+            raise UsageError("--engine sglang --device cpu needs SGLang's CPU kernel package sgl_kernel, which PyPI "
+                             "does not have (build it from SGLang's sgl-kernel sources); on a GPU use --device cuda")
     import sys
     import tempfile
 
@@ -511,7 +564,7 @@ def run_sglang(args) -> int:
                                                                      file=sys.stderr, flush=True))
         except RuntimeError as error:
             # An Engine failed to start or serve: its own last lines say why.
-            print(f"penelope verify: {error}", file=sys.stderr)
+            print(f"penelope: error: {error}", file=sys.stderr)
             return 1
     print(sglang_summary(report))
     if args.json:

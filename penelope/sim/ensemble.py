@@ -174,30 +174,21 @@ class _QueueProgress:
 
 
 _WORKER: _Replayer | None = None
-# Whether the worker is running a task: Ctrl-C reaches every process of the terminal's group, and
-# a worker waiting for its next task would otherwise print a KeyboardInterrupt traceback.
-_IN_TASK = False
 
 
 def _start_worker(workload, configs, time_model, cost_model, perturbation, channel) -> None:
     global _WORKER
+    # Ctrl-C and SIGTERM reach every process of the terminal's (or service's) group: workers
+    # ignore them and the parent, which owns the outcome, stops them (`_stop_workers`).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _WORKER = _Replayer(workload, configs, time_model, cost_model, perturbation, _QueueProgress(channel))
-    signal.signal(signal.SIGINT, _interrupt_task)
-
-
-def _interrupt_task(signum, frame) -> None:
-    # Stop the task now (the parent stops waiting for it anyway); between tasks, nothing to stop.
-    if _IN_TASK:
-        raise KeyboardInterrupt
 
 
 def _run_in_worker(task):
-    global _IN_TASK
-    _IN_TASK = True
     try:
         return _WORKER.run(task)
     finally:
-        _IN_TASK = False
         _WORKER.progress.flush()
 
 
@@ -256,15 +247,25 @@ def run_ensembles(
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
+def _signals_ignored():
+    """Ctrl-C and SIGTERM ignored in this process for a while (a second Ctrl-C must not break
+    the cleanup of the first); a no-op outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Kill the pool's workers (they ignore signals) and shut it down without waiting for tasks."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+    pool.shutdown(wait=True)
 
 
 def _run_parallel(tasks, jobs: int, shared: tuple, progress, done) -> None:
@@ -283,27 +284,29 @@ def _run_parallel(tasks, jobs: int, shared: tuple, progress, done) -> None:
             if progress is not None:
                 progress.update(count)
 
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(*shared, channel)
-    ) as pool:
-        # Workers start while submitting; they inherit an ignored SIGINT until their initializer
-        # installs `_interrupt_task`, so a Ctrl-C while they import prints no traceback there.
-        with _sigint_ignored():
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(*shared, channel))
+    try:
+        # Workers start while submitting; they inherit ignored signals until their initializer
+        # ignores them for good, so a Ctrl-C while they import prints no traceback there.
+        with _signals_ignored():
             futures = {pool.submit(_run_in_worker, task): index for index, task in enumerate(tasks)}
         pending = set(futures)
-        try:
-            while pending:
-                finished, pending = concurrent.futures.wait(
-                    pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
-                )
-                drain()
-                for future in finished:
-                    index = futures[future]
-                    done(tasks[index], future.result())
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+        while pending:
+            finished, pending = concurrent.futures.wait(
+                pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            drain()
+            for future in finished:
+                index = futures[future]
+                done(tasks[index], future.result())
+    except BaseException:
+        with _signals_ignored():
+            _stop_workers(pool)
+            # A killed worker may have left a message half written: never wait on the channel.
+            channel.cancel_join_thread()
+        raise
+    pool.shutdown(wait=True)
     # The pool has shut down, so every worker's messages are in the pipe.
     drain()
     channel.close()

@@ -46,8 +46,10 @@ def load_mooncake(path: str | Path, *, block_size: int = 512, max_context: int |
     block_size: tokens per hash id in the file (512 in Mooncake's published traces); it need not
     equal the cache's block size, since `request_tokens` produces plain token ids."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"{path}: no such trace file")
+    if not path.is_file():
+        raise UsageError(f"{path}: not a regular file (a folder, a device or a pipe); give a JSONL trace file")
     if block_size <= 0:
         raise UsageError(f"block_size must be positive, got {block_size}")
     if max_context is not None and max_context <= 0:
@@ -76,6 +78,8 @@ def load_mooncake(path: str | Path, *, block_size: int = 512, max_context: int |
     except OSError as err:
         raise WorkloadError(f"{path}: cannot read it ({err.strerror})") from None
     if not grouped:
+        if ordinal:
+            raise WorkloadError(f"{path}: all {ordinal:,} requests are longer than --max-context {max_context:,}")
         raise WorkloadError(f"{path}: no requests")
     sessions = []
     names: dict[str, int] = {}

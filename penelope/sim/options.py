@@ -34,11 +34,13 @@ def add_workload_arguments(parser, trace_flag: bool = True) -> None:
     parser.add_argument(
         "--overflow",
         default="truncate",
+        choices=OVERFLOW_MODES,
         help=f"WEKA sessions with a longer request: {' | '.join(OVERFLOW_MODES)} (cut the session before it, "
         "drop only it, or skip the session)",
     )
     parser.add_argument(
-        "--subagents", default="skip", help=f"WEKA sub-agents: {' | '.join(SUBAGENT_MODES)} (skipped ones are counted)"
+        "--subagents", default="skip", choices=SUBAGENT_MODES,
+        help=f"WEKA sub-agents: {' | '.join(SUBAGENT_MODES)} (skipped ones are counted)"
     )
     parser.add_argument(
         "--no-shared-prefix",
@@ -75,9 +77,14 @@ def infer_format(path: str | None, given: str | None) -> str:
 def parse_think_time(text: str) -> ThinkTime:
     """`recorded`, `tool`, `scale:X`, `cap:S`, comma-separated (`tool,scale:0.5,cap:60`)."""
     mode, scale, cap = "recorded", 1.0, None
+    given: set[str] = set()
     for item in (part.strip() for part in str(text).split(",")):
         if not item:
             continue
+        kind = "recorded|tool" if item in ThinkTime.MODES else item.partition(":")[0]
+        if kind in given:
+            raise UsageError(f"--think-time {text}: {item!r} contradicts or repeats an earlier item")
+        given.add(kind)
         if item in ThinkTime.MODES:
             mode = item
             continue

@@ -40,6 +40,9 @@ DEFAULT_POLICIES = ("sglang", "penelope")
 # SGLang's router defaults to its cache-aware policy.
 DEFAULT_ROUTER = "cache-aware"
 
+# Sessions served at once: beyond any server (SGLang runs at most a few thousand requests).
+MAX_SESSIONS = 1 << 20
+
 
 def ablation_policies() -> list[str]:
     """The paper's six-policy grid, canonical names, SGLang's `leaf-tail-node` first."""
@@ -119,8 +122,8 @@ class SimConfig:
             # Loads move at most what the CPU tier holds: a larger buffer is never used, only allocated.
             raise UsageError(f"--swap-buffer {self.swap_buffer} is larger than the CPU tier it serves "
                              f"(--cpu-cache {self.cpu_cache})")
-        if self.sessions < 1:
-            raise UsageError(f"--sessions must be at least 1, got {self.sessions}")
+        if not 1 <= self.sessions <= MAX_SESSIONS:
+            raise UsageError(f"--sessions must be in [1, {MAX_SESSIONS:,}], got {self.sessions:,}")
         if self.scheduler not in ORDERS:
             raise UsageError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(ORDERS)}")
         if self.chunk_size < 1:
