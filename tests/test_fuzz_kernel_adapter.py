@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from fuzz_tally import CLEAR_ERROR, attempt
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kernels.kv_swap import copy_kv_slots
@@ -26,9 +26,10 @@ SLOT_LISTS = st.one_of(
     st.lists(st.integers(-3, 10), max_size=6),
     st.lists(st.sampled_from([0, 2**40, -(2**40), 2**63 - 1]), min_size=1, max_size=3),
 )
-SLOT_DTYPES = st.sampled_from([torch.int64, torch.int64, torch.int64, torch.int32, torch.float32, "list", "2d"])
+SLOT_DTYPES = st.sampled_from([torch.int64, torch.int64, torch.int64, torch.int32, torch.float32, "list", "2d",
+                               "meta"])
 DST_KINDS = st.sampled_from(["fresh", "fresh", "fresh", "same pool", "stride 0", "meta", "meta source", "half",
-                             "short rows", "fewer layers", "non-contiguous rows", "not tensors"])
+                             "short rows", "fewer layers", "non-contiguous rows", "not tensors", "requires grad"])
 
 
 def slot_tensor(values: list[int], kind):
@@ -36,6 +37,8 @@ def slot_tensor(values: list[int], kind):
         return values
     if kind == "2d":
         return torch.tensor(values, dtype=torch.int64).reshape(1, -1)
+    if kind == "meta":
+        return torch.empty(len(values), dtype=torch.int64, device="meta")
     try:
         return torch.tensor(values, dtype=kind)
     except (RuntimeError, OverflowError):
@@ -60,6 +63,8 @@ def destination(kind: str, src: list[torch.Tensor]):
         return [torch.zeros(rows, ROW[1], ROW[0]).transpose(1, 2) for _ in range(LAYERS)]
     if kind == "not tensors":
         return [[0.0] * 8 for _ in range(LAYERS)]
+    if kind == "requires grad":
+        return [torch.nn.Parameter(torch.full((rows, *ROW), -1.0)) for _ in range(LAYERS)]
     return [torch.full((rows, *ROW), -1.0) for _ in range(LAYERS)]
 
 
@@ -70,6 +75,13 @@ def snapshot(pools) -> list:
 @settings(max_examples=120, **FUZZ)
 @given(src_values=SLOT_LISTS, dst_values=SLOT_LISTS, src_kind=SLOT_DTYPES, dst_kind=SLOT_DTYPES, pool=DST_KINDS,
        seed=st.integers(0, 2**16), trim=st.booleans())
+# Always tried: inputs valid but for one thing (drawn examples rarely combine that).
+@example(src_values=[0, 1], dst_values=[2, 3], src_kind=torch.int64, dst_kind=torch.int64, pool="requires grad",
+         seed=0, trim=False)
+@example(src_values=[0, 1], dst_values=[2, 3], src_kind="meta", dst_kind=torch.int64, pool="fresh", seed=0,
+         trim=False)
+@example(src_values=[0, 1], dst_values=[2, 3], src_kind=torch.int64, dst_kind="meta", pool="fresh", seed=0,
+         trim=False)
 def test_fuzz_swap_copy_kernel_calls(src_values, dst_values, src_kind, dst_kind, pool, seed, trim):
     if trim:
         # Equal lengths half the time: most other inputs are valid then, so the copy runs.
