@@ -133,9 +133,13 @@ TOKEN_LISTS = st.one_of(
     st.lists(st.integers(0, 40), min_size=0, max_size=40),
     st.lists(st.integers(-(2**40), 2**40), max_size=20),
     st.sampled_from([[], [0] * 7, list(range(100, 132)), list(range(100, 124)) + [7] * 8]),
+    # Not token ids: refused, never truncated (1.5 -> 1, True -> 1).
+    st.sampled_from([[1.5] * 8, [True] * 8, [None] * 8, [2**64] * 8, list(range(100, 107)) + [2**63]]),
 )
 VALUE_KINDS = st.sampled_from(["held", "held", "tree", "repeated", "never allocated", "short", "float", "none",
-                               "out of range", "int32"])
+                               "out of range", "int32", "meta", "list", "bool"])
+# Not a number of tokens (op 7).
+ODD_COUNTS = [None, "8", 2.5, float("nan"), True]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +153,7 @@ def sglang_parts():
 
 
 @settings(max_examples=80, **FUZZ)
-@given(steps=st.lists(st.tuples(st.integers(0, 6), TOKEN_LISTS, VALUE_KINDS, st.integers(-5, 300)),
+@given(steps=st.lists(st.tuples(st.integers(0, 9), TOKEN_LISTS, VALUE_KINDS, st.integers(-5, 300)),
                       min_size=4, max_size=20))
 def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
     Serving, InsertParams, EvictParams, DecLockRefParams, RadixKey = sglang_parts
@@ -179,7 +183,24 @@ def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
             return torch.full((n,), 10**6, dtype=torch.int64)
         if kind == "int32" and len(held) >= n:
             return torch.tensor(held[:n], dtype=torch.int32)
+        if kind == "meta":
+            return torch.empty(n, dtype=torch.int64, device="meta")
+        if kind == "list" and len(held) >= n:
+            return held[:n]
+        if kind == "bool":
+            return torch.ones(n, dtype=torch.bool)
         return None
+
+    foreign = []
+
+    def foreign_ref():
+        """A node of another cache holding the same tokens in the same slots."""
+        if not foreign:
+            other = Serving(size=256, page_size=1, block_size=BLOCK)
+            tokens = list(range(100, 116))
+            other.cache.insert(InsertParams(key=RadixKey(tokens), value=other.allocator.alloc(16)))
+            foreign.append(other.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node)
+        return foreign[0]
 
     def call(op: int, tokens: list[int], kind: str, number: int):
         if op == 0:
@@ -211,6 +232,14 @@ def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
             if slots is not None:
                 held.extend(slots.tolist())
             return slots
+        if op == 7:
+            return cache.evict(EvictParams(num_tokens=ODD_COUNTS[number % len(ODD_COUNTS)]))
+        if op == 8:
+            return cache.inc_lock_ref(foreign_ref())
+        if op == 9 and receipts:
+            # One holder's node with another holder's receipt.
+            node, _ = receipts[number % len(receipts)]
+            return cache.dec_lock_ref(node, DecLockRefParams(node_id=receipts[(number + 1) % len(receipts)][1]))
         if held:
             allocator.free(torch.tensor(held, dtype=torch.int64))
             held.clear()
@@ -223,6 +252,16 @@ def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
                              errors=(UsageError, CacheFullError))
         if outcome == CLEAR_ERROR:
             assert adapter_state(serving) == before, f"rejected call {op} ({kind}) changed the adapter"
+        elif op == 0 and kind in ("float", "meta", "bool"):
+            raise AssertionError(f"insert of {kind} slots accepted")
+        elif op in (0, 1) and len(tokens) >= BLOCK:
+            assert all(type(t) is int and -(2**63) <= t < 2**63 for t in tokens), f"token ids {tokens[:2]} accepted"
+        elif op in (7, 8):
+            raise AssertionError(f"call {op} accepted: a bad evict count or another cache's node")
+        elif op == 9 and receipts:
+            node, _ = receipts[number % len(receipts)]
+            owner, lock_id = receipts[(number + 1) % len(receipts)]
+            assert node is owner or node.match is None or lock_id is None, "a receipt released another node's lock"
         cache.check_invariants()
         # SGLang's conservation check: every slot is free, in the tree or held by "a request".
         assert allocator.available_size() + cache.evictable_size() + cache.protected_size() + len(held) \
