@@ -308,13 +308,9 @@ class PenelopeRadixCache(BasePrefixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable;
         evicting 0 or fewer does nothing."""
-        try:
-            if isinstance(params.num_tokens, bool):
-                raise TypeError
-            num_tokens = operator.index(params.num_tokens)
-        except TypeError:
-            raise UsageError(f"penelope: evict takes a whole number of tokens, got {repr(params.num_tokens)[:60]}") \
-                from None
+        num_tokens = _whole_number(params.num_tokens)
+        if num_tokens is None:
+            raise UsageError(f"penelope: evict takes a whole number of tokens, got {repr(params.num_tokens)[:60]}")
         if self.disable or num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
@@ -596,6 +592,17 @@ class PenelopeRadixCache(BasePrefixCache):
             raise InvariantError("penelope: the cache evicted part of a matched prefix before it was locked")
         ref.match = again.match
         return again.match
+
+
+def _whole_number(value) -> int | None:
+    """`value` as an int (a Python or numpy integer, a 0-dim integer tensor), None for anything
+    else (bools, floats, strings, None)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _phantom_eligible(req) -> bool:
