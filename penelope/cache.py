@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from penelope.errors import CacheFullError, InvariantError, UsageError
+from penelope.memory import check_memory
 from penelope.policy import EvictionPolicy, get_policy
 from penelope.slots import SlotAllocator
 from penelope.tree import NO_SLOT, BlockState, Node, RadixTree
@@ -31,6 +32,10 @@ _EMPTY = np.empty(0, dtype=np.int64)
 _NO_HASHES = np.empty(0, dtype=np.uint64)
 _GPU, _CPU, _MISSING = int(BlockState.GPU), int(BlockState.CPU), int(BlockState.MISSING)
 _INT64_MAX = np.iinfo(np.int64).max
+# Bytes `alloc(n)` takes per slot: the int64 result, an int64 temporary and the int8 owner tag.
+_ALLOC_BYTES_PER_SLOT = 17
+# Smaller allocations skip the memory check: reading /proc/meminfo would cost more than they do.
+_CHECKED_ALLOC_BYTES = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -233,6 +238,8 @@ class KVCache:
             raise UsageError("unlock() takes a handle returned by this cache's lock()")
         if not handle.active:
             raise UsageError("this handle is already unlocked")
+        if not isinstance(admitted, (bool, np.bool_)):
+            raise UsageError(f"admitted must be True or False, got {admitted!r}")
         handle.active = False
         if not admitted:
             self._record(handle.match, sign=-1)
@@ -247,6 +254,7 @@ class KVCache:
         n = _count(n_tokens, "n_tokens")
         if n > self.capacity:
             raise UsageError(f"cannot allocate {n} slots in a cache of {self.capacity} tokens")
+        check_alloc_memory(n)
         short = n - self.allocator.free_size()
         if short > self.tree.evictable_tokens:
             raise CacheFullError(f"need {n} slots: {self.allocator.free_size()} free, "
@@ -460,6 +468,14 @@ class KVCache:
             computed = match.holes + [(match.compute_from, match.n_tokens)]
             stats.missed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
             stats.recomputed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
+
+def check_alloc_memory(n: int) -> None:
+    """Raise UsageError, before anything is evicted or allocated, when handing out `n` slots
+    would take more memory than is available (a pool of 2**31 slots is lazy: only what is handed
+    out costs memory)."""
+    if n * _ALLOC_BYTES_PER_SLOT >= _CHECKED_ALLOC_BYTES:
+        check_memory(n * _ALLOC_BYTES_PER_SLOT, f"allocating {n:,} slots")
+
 
 def _count(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:

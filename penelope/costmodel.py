@@ -113,7 +113,7 @@ def predict_speedup(
         raise UsageError(f"append must be non-negative, got {append}")
     if evicted is None:
         if evict_frac is None or not 0.0 < evict_frac < 1.0:
-            raise UsageError(f"evict fraction must be in (0, 1), got {evict_frac}")
+            raise UsageError(f"--evict-frac must be in (0, 1), got {evict_frac}")
         evicted = round(evict_frac * context)
     if evicted <= 0:
         raise UsageError(f"evicted tokens must be positive, got {evicted}")

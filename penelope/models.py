@@ -189,6 +189,10 @@ def _moe_layers(config: dict[str, Any], num_layers: int, num_experts: int, where
     dense_list = config.get("mlp_only_layers") or []
     if not isinstance(dense_list, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense_list):
         raise UsageError(f"{where}: 'mlp_only_layers' must be a list of layer numbers, got {dense_list!r}")
+    outside = [i for i in dense_list if not 0 <= i < num_layers]
+    if outside:
+        raise UsageError(f"{where}: 'mlp_only_layers' names layer {outside[0]}, outside the model's "
+                         f"{num_layers} layers")
     dense = set(dense_list)
     first_dense = _integer(config, "first_k_dense_replace", where, high=LIMITS["num_layers"], default=0)
     return tuple(

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from penelope.cache import EvictResult, KVCache, LockHandle, Span, _count
+from penelope.cache import EvictResult, KVCache, LockHandle, Span, _count, check_alloc_memory
 from penelope.errors import CacheFullError, InvariantError, UsageError
 from penelope.memory import check_memory
 from penelope.slots import LazyFreeList, LazyTags
@@ -306,6 +306,7 @@ class HostTier:
         n = _count(n_tokens, "n_tokens")
         if n > self.capacity:
             raise UsageError(f"cannot allocate {n} slots in a GPU tier of {self.capacity} tokens")
+        check_alloc_memory(n)
         self._make_gpu_room(n)
         slots = self.allocator.alloc(n)
         if slots is None:

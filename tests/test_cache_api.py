@@ -8,8 +8,10 @@ import pytest
 from cache_helpers import request_slots, serve, shape
 from reference_cache import dump_real
 
+from penelope import memory
 from penelope.cache import KVCache, _as_int_array
 from penelope.errors import CacheFullError, InvariantError, UsageError
+from penelope.tiers import TwoTierCache
 from penelope.tree import BlockState, PrefixHasher
 
 BS = 4
@@ -273,6 +275,14 @@ def test_unlock_twice_and_foreign_handles():
     assert snapshot(cache) == before
     with pytest.raises(UsageError, match="MatchResult"):
         other.lock(cache.match(tokens(200, 8)))
+    handle = cache.lock(cache.match(tokens(200, 8)))
+    before = snapshot(cache)
+    for admitted in ("no", None, 0):
+        with pytest.raises(UsageError, match="admitted must be True or False"):
+            cache.unlock(handle, admitted=admitted)
+    assert snapshot(cache) == before and handle.active
+    cache.unlock(handle, admitted=False)
+    cache.check_invariants()
 
 
 def test_a_match_is_stale_after_an_eviction():
@@ -300,6 +310,25 @@ def test_cache_full_when_everything_is_locked_leaves_the_cache_unchanged():
     cache.free(held)
     cache.unlock(handle)
     assert len(cache.alloc(32)) == 32  # everything evictable once unlocked
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache(2**31 - 1, block_size=64),
+                                  lambda: TwoTierCache(2**31 - 2**21, 2**20, block_size=64)])
+def test_a_huge_alloc_is_checked_against_memory_first(monkeypatch, make):
+    cache = make()
+    serve(cache, tokens(100, 64 * 4))
+    # `snapshot` lists every free slot: too many here.
+    stack = cache.allocator._stack
+    before = (dump_real(cache), cache.free_size(), cache.outstanding_size(), stack.fresh, stack.returned().tolist())
+    # 2**23 slots need over 100 MiB; this machine is told it has 1 MiB left.
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**20)
+    for n in (2**23, 2**29):
+        with pytest.raises(UsageError, match=f"allocating {n:,} slots: .* needed, more than the 1.0 MiB"):
+            cache.alloc(n)
+    assert (dump_real(cache), cache.free_size(), cache.outstanding_size(), stack.fresh,
+            stack.returned().tolist()) == before
+    assert len(cache.alloc(64)) == 64  # small allocations are not checked (no /proc read per call)
     cache.check_invariants()
 
 

@@ -45,8 +45,8 @@ def test_model_from_config_path(tmp_path, capsys):
     "args, message",
     [
         (["--model", "nope"], "known models"),
-        (["--evict-frac", "1.5"], "fraction"),
-        (["--evict-frac", "0"], "fraction"),
+        (["--evict-frac", "1.5"], "--evict-frac"),
+        (["--evict-frac", "0"], "--evict-frac"),
         (["--contexts", "8K", "--evict-start", "9K"], "evict start"),
         (["--contexts", "0"], "positive"),
         (["--contexts=-8K"], "positive"),

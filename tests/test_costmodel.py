@@ -197,3 +197,11 @@ def test_predicted_speedups_equal_a_token_by_token_sum(name):
         assert p.front_cost == pytest.approx(float(front), rel=1e-12)
         assert p.tail_cost == pytest.approx(float(tail), rel=1e-12)
         assert round(float(tail / front), 3) == want
+
+
+def test_mlp_only_layers_outside_the_model_are_refused():
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "mlp_only_layers": [5, -1]}
+    with pytest.raises(UsageError, match="'mlp_only_layers' names layer 5, outside the model's 2 layers"):
+        shape_from_config(config)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from fuzz_tally import CLEAR_ERROR, attempt
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kernels.kv_swap import copy_kv_slots
@@ -26,9 +26,10 @@ SLOT_LISTS = st.one_of(
     st.lists(st.integers(-3, 10), max_size=6),
     st.lists(st.sampled_from([0, 2**40, -(2**40), 2**63 - 1]), min_size=1, max_size=3),
 )
-SLOT_DTYPES = st.sampled_from([torch.int64, torch.int64, torch.int64, torch.int32, torch.float32, "list", "2d"])
+SLOT_DTYPES = st.sampled_from([torch.int64, torch.int64, torch.int64, torch.int32, torch.float32, "list", "2d",
+                               "meta"])
 DST_KINDS = st.sampled_from(["fresh", "fresh", "fresh", "same pool", "stride 0", "meta", "meta source", "half",
-                             "short rows", "fewer layers", "non-contiguous rows", "not tensors"])
+                             "short rows", "fewer layers", "non-contiguous rows", "not tensors", "requires grad"])
 
 
 def slot_tensor(values: list[int], kind):
@@ -36,6 +37,8 @@ def slot_tensor(values: list[int], kind):
         return values
     if kind == "2d":
         return torch.tensor(values, dtype=torch.int64).reshape(1, -1)
+    if kind == "meta":
+        return torch.empty(len(values), dtype=torch.int64, device="meta")
     try:
         return torch.tensor(values, dtype=kind)
     except (RuntimeError, OverflowError):
@@ -60,6 +63,8 @@ def destination(kind: str, src: list[torch.Tensor]):
         return [torch.zeros(rows, ROW[1], ROW[0]).transpose(1, 2) for _ in range(LAYERS)]
     if kind == "not tensors":
         return [[0.0] * 8 for _ in range(LAYERS)]
+    if kind == "requires grad":
+        return [torch.nn.Parameter(torch.full((rows, *ROW), -1.0)) for _ in range(LAYERS)]
     return [torch.full((rows, *ROW), -1.0) for _ in range(LAYERS)]
 
 
@@ -70,6 +75,13 @@ def snapshot(pools) -> list:
 @settings(max_examples=120, **FUZZ)
 @given(src_values=SLOT_LISTS, dst_values=SLOT_LISTS, src_kind=SLOT_DTYPES, dst_kind=SLOT_DTYPES, pool=DST_KINDS,
        seed=st.integers(0, 2**16), trim=st.booleans())
+# Always tried: inputs valid but for one thing (drawn examples rarely combine that).
+@example(src_values=[0, 1], dst_values=[2, 3], src_kind=torch.int64, dst_kind=torch.int64, pool="requires grad",
+         seed=0, trim=False)
+@example(src_values=[0, 1], dst_values=[2, 3], src_kind="meta", dst_kind=torch.int64, pool="fresh", seed=0,
+         trim=False)
+@example(src_values=[0, 1], dst_values=[2, 3], src_kind=torch.int64, dst_kind="meta", pool="fresh", seed=0,
+         trim=False)
 def test_fuzz_swap_copy_kernel_calls(src_values, dst_values, src_kind, dst_kind, pool, seed, trim):
     if trim:
         # Equal lengths half the time: most other inputs are valid then, so the copy runs.
@@ -121,9 +133,13 @@ TOKEN_LISTS = st.one_of(
     st.lists(st.integers(0, 40), min_size=0, max_size=40),
     st.lists(st.integers(-(2**40), 2**40), max_size=20),
     st.sampled_from([[], [0] * 7, list(range(100, 132)), list(range(100, 124)) + [7] * 8]),
+    # Not token ids: refused, never truncated (1.5 -> 1, True -> 1).
+    st.sampled_from([[1.5] * 8, [True] * 8, [None] * 8, [2**64] * 8, list(range(100, 107)) + [2**63]]),
 )
 VALUE_KINDS = st.sampled_from(["held", "held", "tree", "repeated", "never allocated", "short", "float", "none",
-                               "out of range", "int32"])
+                               "out of range", "int32", "meta", "list", "bool"])
+# Not a number of tokens (op 7).
+ODD_COUNTS = [None, "8", 2.5, float("nan"), True]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +153,7 @@ def sglang_parts():
 
 
 @settings(max_examples=80, **FUZZ)
-@given(steps=st.lists(st.tuples(st.integers(0, 6), TOKEN_LISTS, VALUE_KINDS, st.integers(-5, 300)),
+@given(steps=st.lists(st.tuples(st.integers(0, 9), TOKEN_LISTS, VALUE_KINDS, st.integers(-5, 300)),
                       min_size=4, max_size=20))
 def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
     Serving, InsertParams, EvictParams, DecLockRefParams, RadixKey = sglang_parts
@@ -167,7 +183,24 @@ def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
             return torch.full((n,), 10**6, dtype=torch.int64)
         if kind == "int32" and len(held) >= n:
             return torch.tensor(held[:n], dtype=torch.int32)
+        if kind == "meta":
+            return torch.empty(n, dtype=torch.int64, device="meta")
+        if kind == "list" and len(held) >= n:
+            return held[:n]
+        if kind == "bool":
+            return torch.ones(n, dtype=torch.bool)
         return None
+
+    foreign = []
+
+    def foreign_ref():
+        """A node of another cache holding the same tokens in the same slots."""
+        if not foreign:
+            other = Serving(size=256, page_size=1, block_size=BLOCK)
+            tokens = list(range(100, 116))
+            other.cache.insert(InsertParams(key=RadixKey(tokens), value=other.allocator.alloc(16)))
+            foreign.append(other.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node)
+        return foreign[0]
 
     def call(op: int, tokens: list[int], kind: str, number: int):
         if op == 0:
@@ -199,6 +232,14 @@ def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
             if slots is not None:
                 held.extend(slots.tolist())
             return slots
+        if op == 7:
+            return cache.evict(EvictParams(num_tokens=ODD_COUNTS[number % len(ODD_COUNTS)]))
+        if op == 8:
+            return cache.inc_lock_ref(foreign_ref())
+        if op == 9 and receipts:
+            # One holder's node with another holder's receipt.
+            node, _ = receipts[number % len(receipts)]
+            return cache.dec_lock_ref(node, DecLockRefParams(node_id=receipts[(number + 1) % len(receipts)][1]))
         if held:
             allocator.free(torch.tensor(held, dtype=torch.int64))
             held.clear()
@@ -211,6 +252,16 @@ def test_fuzz_sglang_adapter_calls(sglang_parts, steps):
                              errors=(UsageError, CacheFullError))
         if outcome == CLEAR_ERROR:
             assert adapter_state(serving) == before, f"rejected call {op} ({kind}) changed the adapter"
+        elif op == 0 and kind in ("float", "meta", "bool"):
+            raise AssertionError(f"insert of {kind} slots accepted")
+        elif op in (0, 1) and len(tokens) >= BLOCK:
+            assert all(type(t) is int and -(2**63) <= t < 2**63 for t in tokens), f"token ids {tokens[:2]} accepted"
+        elif op in (7, 8):
+            raise AssertionError(f"call {op} accepted: a bad evict count or another cache's node")
+        elif op == 9 and receipts:
+            node, _ = receipts[number % len(receipts)]
+            owner, lock_id = receipts[(number + 1) % len(receipts)]
+            assert node is owner or node.match is None or lock_id is None, "a receipt released another node's lock"
         cache.check_invariants()
         # SGLang's conservation check: every slot is free, in the tree or held by "a request".
         assert allocator.available_size() + cache.evictable_size() + cache.protected_size() + len(held) \

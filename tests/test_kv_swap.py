@@ -199,6 +199,11 @@ def _bad_cases():
         "overlapping views": (src, [src[0][1:], src[1][1:]], ok, ok, "different views"),
         "tensor not list": (src[0], dst[0], ok, ok, "list"),
         "empty pool list": ([], [], ok, ok, "empty"),
+        "meta src slots": (src, dst, torch.zeros(4, dtype=torch.int64, device="meta"), ok, "src_slots is on meta"),
+        "meta dst slots": (src, dst, ok, torch.zeros(4, dtype=torch.int64, device="meta"), "dst_slots is on meta"),
+        # Autograd refuses in-place writes to such leaves; the copy writes memory behind its back.
+        "dst requires grad": (src, [d.clone().requires_grad_() for d in dst], ok, ok, r"dst\[0\] requires grad"),
+        "dst parameters": (src, [torch.nn.Parameter(d.clone()) for d in dst], ok, ok, r"dst\[0\] requires grad"),
     }
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_env import Serving, blocks, sglang_config
@@ -232,6 +232,93 @@ def test_insert_refuses_slots_in_the_wrong_state_and_changes_nothing():
     with pytest.raises(UsageError, match="never allocated"):
         cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=never))
     assert (allocator.available_size(), cache.evictable_size()) == before
+    cache.check_invariants()
+
+
+def adapter_state(serving: Serving) -> tuple:
+    """What a rejected call must leave as it was: tree, locks, SGLang's free list, namespaces."""
+    cache, allocator = serving.cache, serving.allocator
+    free = torch.cat([allocator.free_pages, allocator.release_pages]).sort().values.tolist()
+    nodes = sorted((n.start, n.key, n.slots.tolist(), n.state.tolist(), n.lock_ref) for n in cache.cache.tree.nodes())
+    return free, nodes, sorted(cache._locks), cache.total_size(), dict(cache._namespaces)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (lambda held: held[:8].float() + 0.7, "1-D int32 or int64 tensor on cpu, got torch.float32"),
+    (lambda held: torch.ones(8, dtype=torch.bool), "got torch.bool"),
+    (lambda held: held[:8].reshape(2, 4), r"got torch.int64 \(2, 4\)"),
+    (lambda held: torch.empty(8, dtype=torch.int64, device="meta"), "on cpu, got .* on meta"),
+    (lambda held: held[:8].tolist(), "got a list"),
+    (lambda held: held[:8].numpy(), "got a ndarray"),
+])
+def test_insert_takes_slots_only_as_an_integer_tensor_on_the_pool_device(value, message):
+    serving = Serving(size=256, page_size=1, block_size=8)
+    held = serving.allocator.alloc(32)
+    before = adapter_state(serving)
+    with pytest.raises(UsageError, match=message):
+        serving.cache.insert(InsertParams(key=RadixKey(list(range(100, 108)), extra_key="ns"), value=value(held)))
+    assert adapter_state(serving) == before
+    serving.cache.insert(InsertParams(key=RadixKey(list(range(100, 108))), value=held[:8].int()))
+    serving.cache.check_invariants()
+
+
+@pytest.mark.parametrize(("tokens", "message"), [
+    ([2**64] * 8, "got object"),
+    ([None] * 8, "got object"),
+    ([True] * 8, "got bool"),
+    ([1.5] * 8, "got float64"),
+    ([2**63] * 8, "above the int64 range"),
+    ("abcdefgh", "got <U8"),
+])
+def test_token_ids_must_be_int64_integers(tokens, message):
+    serving = Serving(size=256, page_size=1, block_size=8)
+    held = serving.allocator.alloc(32)
+    before = adapter_state(serving)
+    with pytest.raises(UsageError, match=f"penelope: token ids .*{message}"):
+        serving.cache.insert(InsertParams(key=RadixKey(tokens), value=held[:8]))
+    with pytest.raises(UsageError, match=f"penelope: token ids .*{message}"):
+        serving.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    assert adapter_state(serving) == before
+
+
+@pytest.mark.parametrize("num_tokens", [None, "8", 2.5, float("nan"), True])
+def test_evict_takes_a_whole_number_of_tokens(num_tokens):
+    serving = Serving(size=256, page_size=1, block_size=8)
+    serving.cache.insert(InsertParams(key=RadixKey(list(range(100, 116))), value=serving.allocator.alloc(16)))
+    before = adapter_state(serving)
+    with pytest.raises(UsageError, match="penelope: evict takes a whole number of tokens"):
+        serving.cache.evict(EvictParams(num_tokens=num_tokens))
+    assert adapter_state(serving) == before
+    assert serving.cache.evict(EvictParams(num_tokens=-3)).num_tokens_evicted == 0  # evicting <= 0 is safe
+    assert serving.cache.evict(EvictParams(num_tokens=torch.tensor(8))).num_tokens_evicted == 8
+
+
+def test_a_lock_is_released_only_on_its_own_node_of_its_own_cache():
+    serving, other = Serving(size=256, page_size=1, block_size=8), Serving(size=256, page_size=1, block_size=8)
+    cache = serving.cache
+    tokens = list(range(100, 116))
+    for s in (serving, other):
+        s.cache.insert(InsertParams(key=RadixKey(tokens), value=s.allocator.alloc(16)))
+    ref_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+    ref_b = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:8]))).last_device_node
+    receipt_a, receipt_b = cache.inc_lock_ref(ref_a), cache.inc_lock_ref(ref_b)
+    other_ref = other.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+    other.cache.inc_lock_ref(other_ref)
+    before = adapter_state(other)
+    # The other cache holds the same tokens in the same slots: only the origin tells them apart.
+    with pytest.raises(UsageError, match="comes from another cache"):
+        other.cache.inc_lock_ref(ref_a)
+    with pytest.raises(UsageError, match="comes from another cache"):
+        other.cache.dec_lock_ref(ref_a, DecLockRefParams(node_id=receipt_a.node_id))
+    assert adapter_state(other) == before
+    before = adapter_state(serving)
+    with pytest.raises(UsageError, match=f"receipt {receipt_b.node_id} is a lock on another node"):
+        cache.dec_lock_ref(ref_a, DecLockRefParams(node_id=receipt_b.node_id))
+    assert adapter_state(serving) == before
+    cache.dec_lock_ref(ref_b, DecLockRefParams(node_id=receipt_b.node_id))
+    assert cache.protected_size() == 16  # ref_a's lock holds
+    cache.dec_lock_ref(ref_a, DecLockRefParams(node_id=receipt_a.node_id))
+    assert cache.protected_size() == 0
     cache.check_invariants()
 
 

@@ -44,15 +44,27 @@ def test_options_from_json_override_the_environment():
     (None, {"PENELOPE_BLOCK_SIZE": "0"}, r"block_size must be a positive integer, got 0 \(from PENELOPE_BLOCK_SIZE\)"),
     (None, {"PENELOPE_BLOCK_SIZE": "1_024"}, "PENELOPE_BLOCK_SIZE must be an integer"),
     ([1, 2], {}, "must be a JSON object"),
+    ("[" * 5000, {}, "nested too deeply"),
+    ('{"block_size": ' + "9" * 5000 + "}", {}, "integer of more than 4300 digits"),
+    ({"block_size": 2**40}, {}, "block_size must be at most 1048576 tokens, got 1099511627776"),
+    ('{"block_size": 1180591620717411303424}', {}, "block_size must be at most 1048576 tokens"),
+    ({"block_size": 10**5000}, {}, "block_size must be at most 1048576 tokens, got an integer of 16610 bits"),
+    ({"swap_buffer": -(10**5000)}, {}, "swap_buffer must be a positive integer, got an integer of 16610 bits"),
+    ({"cpu_cache": -(10**5000)}, {}, "cpu_cache must be a non-negative integer .*, got an integer of 16610 bits"),
+    ({"tool_call_token": -(10**5000)}, {}, "tool_call_token must be .*, got an integer of 16610 bits"),
+    (None, {"PENELOPE_BLOCK_SIZE": "9" * 5000}, "PENELOPE_BLOCK_SIZE must be an integer of at most 18 digits"),
+    (None, {"PENELOPE_BLOCK_SIZE": str(2**20 + 1)}, r"at most 1048576 tokens, got 1048577 \(from PENEL"),
 ])
 def test_bad_options_name_the_problem(config, env, message):
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=message) as error:
         options_from(config, env)
+    assert "\n" not in str(error.value) and len(str(error.value)) < 300
 
 
 def test_a_json_key_wins_over_a_bad_variable_and_an_unused_swap_buffer_never_blocks():
     assert options_from({"block_size": 64}, {"PENELOPE_BLOCK_SIZE": "many"}).block_size == 64
     assert options_from({"block_size": 2048}, {}).block_size == 2048
+    assert PenelopeOptions(block_size=2**20).block_size == 2**20
 
 
 def _context(serving, config=None, **flags):

@@ -11,7 +11,7 @@ overrides the variable of the same option:
 | JSON key      | variable               | default    | meaning                                          |
 |---------------|------------------------|------------|--------------------------------------------------|
 | ``policy``    | ``PENELOPE_POLICY``    | penelope   | eviction policy name (``penelope.policy``)       |
-| ``block_size``| ``PENELOPE_BLOCK_SIZE``| page size  | tokens per cached block, a multiple of the page  |
+| ``block_size``| ``PENELOPE_BLOCK_SIZE``| page size  | tokens per cached block, a multiple of the page, at most 2**20 |
 | ``swap_buffer``| ``PENELOPE_SWAP_BUFFER``| 1024     | CPU swap buffer in tokens (two-tier cache only)  |
 | ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
 | ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
@@ -46,6 +46,10 @@ _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "tool_call_token": "PENELOPE_TOOL_CALL_TOKEN"}
 _INTEGERS = ("block_size", "swap_buffer", "cpu_cache", "tool_call_token")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# A block is one unit of eviction; a million tokens is beyond any context (and any KV pool) served.
+MAX_BLOCK_SIZE = 2**20
+# Digits of an integer variable: every option's range ends well below 10**18.
+_MAX_DIGITS = 18
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
 
@@ -77,6 +81,9 @@ class PenelopeOptions:
                              "future (penelope simulate, penelope verify); a server cannot run it")
         if self.block_size is not None:
             _positive(self.block_size, "block_size")
+            if self.block_size > MAX_BLOCK_SIZE:
+                raise UsageError(f"penelope: block_size must be at most {MAX_BLOCK_SIZE} tokens, got "
+                                 f"{_shown(self.block_size)}")
         _positive(self.swap_buffer, "swap_buffer")
         if not isinstance(self.phantoms, bool):
             raise UsageError(f"penelope: phantoms must be true or false, got {self.phantoms!r}")
@@ -84,7 +91,8 @@ class PenelopeOptions:
             raise UsageError(f"penelope: attention must be one of {', '.join(ATTENTION_MODES)}, "
                              f"got {self.attention!r}")
         if isinstance(self.cpu_cache, bool) or not isinstance(self.cpu_cache, numbers.Integral) or self.cpu_cache < 0:
-            raise UsageError(f"penelope: cpu_cache must be a non-negative integer (tokens), got {self.cpu_cache!r}")
+            raise UsageError(f"penelope: cpu_cache must be a non-negative integer (tokens), got "
+                             f"{_shown(self.cpu_cache)}")
         if self.cpu_cache and self.block_size is not None:
             for name in ("cpu_cache", "swap_buffer"):
                 if getattr(self, name) < self.block_size:
@@ -94,7 +102,7 @@ class PenelopeOptions:
         if self.tool_call_token is not None and (isinstance(self.tool_call_token, bool) or not isinstance(
                 self.tool_call_token, numbers.Integral) or self.tool_call_token < 0):
             raise UsageError(f"penelope: tool_call_token must be a token id (a non-negative integer), "
-                             f"got {self.tool_call_token!r}")
+                             f"got {_shown(self.tool_call_token)}")
         if self.copy not in COPY_MODES:
             raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 
@@ -121,6 +129,12 @@ def options_from(config: Mapping | None = None, environ: Mapping[str, str] | Non
             config = json.loads(config)
         except json.JSONDecodeError as error:
             raise UsageError(f"penelope: --radix-eviction-policy-config is not valid JSON ({error})") from None
+        except RecursionError:
+            raise UsageError("penelope: --radix-eviction-policy-config is nested too deeply") from None
+        except ValueError:
+            # Python refuses to read an integer literal of more than 4300 digits.
+            raise UsageError("penelope: --radix-eviction-policy-config holds an integer of more than 4300 "
+                             "digits") from None
     values: dict = {}
     if config is not None:
         if not isinstance(config, Mapping):
@@ -265,14 +279,25 @@ def create_penelope_cache(ctx):
 
 def _positive(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise UsageError(f"penelope: {name} must be a positive integer, got {value!r}")
+        raise UsageError(f"penelope: {name} must be a positive integer, got {_shown(value)}")
+
+
+def _shown(value) -> str:
+    """`value` for an error message: a huge integer by its size (its digits would fill the screen,
+    or not convert at all past 4300 of them)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value).bit_length() > 64:
+        return f"an integer of {int(value).bit_length()} bits"
+    return repr(value)
 
 
 def _parse_env(name: str, variable: str, text: str):
     text = text.strip()
     if name in _INTEGERS:
         if not (text.isascii() and text.lstrip("-").isdigit()):
-            raise UsageError(f"penelope: {variable} must be an integer, got {text!r}")
+            raise UsageError(f"penelope: {variable} must be an integer, got {text[:40]!r}")
+        if len(text.lstrip("-")) > _MAX_DIGITS:
+            raise UsageError(f"penelope: {variable} must be an integer of at most {_MAX_DIGITS} digits, got "
+                             f"{len(text.lstrip('-'))} digits")
         return int(text)
     if name == "phantoms":
         if text.lower() in _TRUE:

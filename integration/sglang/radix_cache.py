@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from array import array
 
@@ -48,7 +49,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from penelope.cache import KVCache
+from penelope.cache import KVCache, _as_int_array
 from penelope.cache import MatchResult as PenelopeMatch
 from penelope.errors import CacheFullError, InvariantError, UsageError
 from penelope.refill import RefillPlan, next_chunk, plan_refill
@@ -174,6 +175,8 @@ class PenelopeRadixCache(BasePrefixCache):
         self._empty = MatchResult(device_prefix_len=0, last_device_node=self.root_node,
                                   last_host_node=self.root_node, best_match_node=self.root_node)
         self._locks: dict[int, object] = {}
+        # The node each lock was taken on: its receipt releases it only there.
+        self._lock_refs: dict[int, MatchRef] = {}
         self.kv_events.cleared()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -211,12 +214,15 @@ class PenelopeRadixCache(BasePrefixCache):
         already, whose passed slots stay the caller's to free; the partial last block is not
         cached and stays the caller's too. By design, duplicates after the first refilled hole are
         freed here. A slot passed twice, held by the tree or on SGLang's free list is refused
-        (UsageError) before anything changes. ``value=None`` caches nothing (there is no KV)."""
+        (UsageError) before anything changes, and so is a value that is not a 1-D int32/int64
+        tensor on the pool's device type. ``value=None`` caches nothing (there is no KV)."""
         key = params.key
         if self.disable:
             return InsertResult(prefix_len=0)
         if key.is_bigram:
             raise UsageError("penelope: bigram (EAGLE) keys are not supported")
+        if params.value is not None:
+            self._check_slot_tensor(params.value)
         n = len(key) // self.block_size * self.block_size
         namespace = self._namespace(key.extra_key, key.cache_salt, create=params.value is not None)
         if n == 0 or namespace is None:
@@ -300,11 +306,15 @@ class PenelopeRadixCache(BasePrefixCache):
         self.cache.hint(self._tokens(source, n, namespace), Hint(time.monotonic(), FINISHED, kind))
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable."""
-        if self.disable or params.num_tokens <= 0:
+        """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable;
+        evicting 0 or fewer does nothing."""
+        num_tokens = _whole_number(params.num_tokens)
+        if num_tokens is None:
+            raise UsageError(f"penelope: evict takes a whole number of tokens, got {repr(params.num_tokens)[:60]}")
+        if self.disable or num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        result = self.cache.evict(params.num_tokens)
+        result = self.cache.evict(num_tokens)
         # Demotions copy the KV they move out before SGLang hands its slots to new requests.
         self._run_plans()
         self.kv_events.removed(result.hashes)
@@ -321,26 +331,31 @@ class PenelopeRadixCache(BasePrefixCache):
         handle = self.cache.lock(self._fresh(node))
         lock_id = next(self._lock_ids)
         self._locks[lock_id] = handle
+        self._lock_refs[lock_id] = node
         return IncLockRefResult(delta=self.cache.evictable_size() - before, node_id=lock_id)
 
     def dec_lock_ref(self, node: MatchRef, params: DecLockRefParams | None = None) -> DecLockRefResult:
         """Release the lock named by the receipt (without one: the latest lock taken on `node`).
-        A receipt whose lock was released already is refused: it must not release another
-        holder's lock on the same path."""
+        A receipt whose lock was released already, or was taken on another node, is refused: it
+        must not release another holder's lock."""
         if not isinstance(node, MatchRef):
             raise UsageError(f"penelope: dec_lock_ref takes the node a match returned, got {node!r}")
         if self.disable or node.match is None:
             return DecLockRefResult(delta=0)
+        self._check_origin(node)
         if params is not None and params.node_id is not None:
             lock_id = params.node_id
             if lock_id not in self._locks:
                 raise UsageError(f"penelope: the lock of receipt {lock_id} was released already")
+            if self._lock_refs[lock_id] is not node:
+                raise UsageError(f"penelope: receipt {lock_id} is a lock on another node, not on {node!r}")
         else:
             lock_id = next((i for i in reversed(self._locks) if self._locks[i].node is node.match.handle), None)
         if lock_id is None:
             raise UsageError(f"penelope: no lock held on {node!r}")
         before = self.cache.evictable_size()
         self.cache.unlock(self._locks.pop(lock_id))
+        self._lock_refs.pop(lock_id)
         return DecLockRefResult(delta=self.cache.evictable_size() - before)
 
     def prefix_device_indices(self, req) -> torch.Tensor:
@@ -535,16 +550,38 @@ class PenelopeRadixCache(BasePrefixCache):
         if isinstance(token_ids, array) and token_ids.typecode == "q":
             tokens = np.frombuffer(token_ids, dtype=np.int64, count=n)
         else:
-            tokens = np.asarray(token_ids[:n], dtype=np.int64)
+            # Checked by numpy's dtype, not token by token: floats, bools, None and ids beyond int64
+            # are refused instead of being truncated or raising a TypeError.
+            tokens = _as_int_array(token_ids[:n], "penelope: token ids")
         if namespace:
             if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >> _NS_SHIFT):
                 raise UsageError("penelope: namespaced token ids must lie in [0, 2**32)")
             tokens = tokens + (namespace << _NS_SHIFT)
         return tokens
 
+    def _check_slot_tensor(self, value) -> None:
+        """Raise UsageError unless `value` is what SGLang passes as slots: a 1-D int32/int64
+        tensor on the pool's device type (a float tensor would be truncated to other slots)."""
+        if not isinstance(value, torch.Tensor):
+            got = f"a {type(value).__name__}"
+        elif value.dtype not in (torch.int32, torch.int64) or value.dim() != 1 \
+                or value.device.type != self.device.type:
+            got = f"{value.dtype} {tuple(value.shape)} on {value.device}"
+        else:
+            return
+        raise UsageError(f"penelope: insert takes slots as a 1-D int32 or int64 tensor on {self.device.type}, "
+                         f"got {got}")
+
+    def _check_origin(self, ref: MatchRef) -> None:
+        """Raise UsageError unless `ref` (not the root's) was made by this cache's match."""
+        if ref.match.owner is not self.cache:
+            raise UsageError(f"penelope: {ref!r} comes from another cache (or from before a reset): pass a node "
+                             "this cache's match_prefix returned")
+
     def _fresh(self, ref: MatchRef) -> PenelopeMatch:
         """`ref`'s match, redone if an eviction made it stale; the redone match must report the
         same prefix with the same slots, or the request's prefix would point at freed KV."""
+        self._check_origin(ref)
         match = ref.match
         if self.cache.is_fresh(match):
             return match
@@ -555,6 +592,17 @@ class PenelopeRadixCache(BasePrefixCache):
             raise InvariantError("penelope: the cache evicted part of a matched prefix before it was locked")
         ref.match = again.match
         return again.match
+
+
+def _whole_number(value) -> int | None:
+    """`value` as an int (a Python or numpy integer, a 0-dim integer tensor), None for anything
+    else (bools, floats, strings, None)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _phantom_eligible(req) -> bool:

@@ -140,6 +140,10 @@ def _check_side(name: str, bufs: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"{name}[{i}] is on {buf.device} but {name}[0] is on {first.device}")
         if not _row_is_contiguous(buf):
             raise ValueError(f"{name}[{i}] rows are not contiguous (strides {buf.stride()})")
+        if name == "dst" and buf.requires_grad:
+            # The copy writes memory behind autograd's back (torch refuses in-place writes to such
+            # leaves); a KV pool is inference state and never needs gradients.
+            raise ValueError(f"dst[{i}] requires grad: pass a pool without requires_grad (e.g. .detach())")
 
 
 def _byte_range(buf: torch.Tensor, row_bytes: int) -> tuple[int, int]:
@@ -227,6 +231,8 @@ def _check_slot_tensor(name: str, slots: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an int64 tensor, got {type(slots).__name__}")
     if slots.dtype != torch.int64 or slots.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
+    if slots.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {slots.device}: slots must be on the CPU or a CUDA GPU")
 
 
 def check_slots(pools: PoolPair, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -99,9 +99,9 @@ class VerifyOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "positive" if low == 1 else "non-negative"
-                raise UsageError(f"{name} must be a {kind} integer, got {value!r}")
+                raise UsageError(f"--{name.replace('_', '-')} must be a {kind} integer, got {value!r}")
             if value > high:
-                raise UsageError(f"{name} must be at most {high}, got {value}")
+                raise UsageError(f"--{name.replace('_', '-')} must be at most {high}, got {value}")
         check_device(self.device)
         if self.copy not in COPY_CHOICES:
             raise UsageError(f"unknown copy function {self.copy!r}; choose from {list(COPY_CHOICES)}")
