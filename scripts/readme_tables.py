@@ -2,6 +2,8 @@
 
     python scripts/readme_tables.py weka results/weka    # after scripts/weka_results.sh
     python scripts/readme_tables.py synthetic results    # after penelope reproduce
+    python scripts/readme_tables.py fleet results/mooncake/fleet.json    # after scripts/mooncake_fleet.sh
+    python scripts/readme_tables.py fleet results/mooncake/fleet.json   # after scripts/mooncake_fleet.sh
 
 Every figure is a mean over the ensemble's runs with its 95% interval: hit rates as mean ±half-width,
 changes against SGLang as mean [low, high], or "no significant difference [low, high]" when the
@@ -131,11 +133,43 @@ def synthetic(folder: Path) -> None:
     print(ablation_table(ablation))
 
 
+def mean_of_runs(result: dict, key: str) -> float:
+    """Mean over an ensemble's runs of a figure of each run's fleet (`imbalance`, ...)."""
+    values = [run["fleet"][key] for run in result["runs"]]
+    return sum(values) / len(values)
+
+
+def plus_minus_seconds(result: dict, field: str) -> str:
+    estimate = Estimate.from_dict(result["metrics"][field])
+    return f"{estimate.mean:.2f} ±{estimate.half_width:.2f}"
+
+
+def fleet(path: Path) -> None:
+    """One row per (GPU capacity, router) of a `simulate --replicas N --router ... --repeat M` JSON."""
+    payload = json.loads(path.read_text())
+    config = payload["config"]
+    if "ensemble" not in config or config.get("replicas", 1) < 2:
+        raise SystemExit(f"{path}: not a fleet ensemble (run penelope simulate with --replicas N --repeat M)")
+    entries = payload["sweep"] if "sweep" in payload else [
+        {"gpu_cache": config["gpu_cache"], "router": config["routers"][0], "results": payload["results"]}]
+    print(f"Fleet of {config['replicas']} replicas ({ensemble_note(config)}):\n")
+    print("| GPU cache per replica | router | SGLang hit rate | Penelope hit rate | SGLang TTFT mean s | TTFT mean "
+          "| TTFT p90 | JCT | load imbalance (busy max/mean) |\n|---|---|---|---|---|---|---|---|---|")
+    for entry in entries:
+        results = entry["results"]
+        base, ours = baseline_of(results), penelope_of(results)
+        cells = [format_size(entry["gpu_cache"]), entry["router"], hit_rate(base), hit_rate(ours),
+                 plus_minus_seconds(base, "ttft_mean"), change(ours, "ttft_mean"), change(ours, "ttft_p90"),
+                 change(ours, "jct_mean"), f"{mean_of_runs(base, 'imbalance'):.2f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("weka", "synthetic"):
+    modes = {"weka": weka, "synthetic": synthetic, "fleet": fleet}
+    if len(argv) != 2 or argv[0] not in modes:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         return 2
-    (weka if argv[0] == "weka" else synthetic)(Path(argv[1]))
+    modes[argv[0]](Path(argv[1]))
     return 0
 
 

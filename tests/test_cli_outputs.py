@@ -194,11 +194,13 @@ SWEEP = ["simulate", "--limit-sessions", "1", "--gpu-cache", "64K,96K,128K", "--
 
 
 def test_ctrl_c_keeps_the_finished_capacities(tmp_path, capsys, monkeypatch):
-    import penelope.sim.run as sim_run
+    from penelope.sim import ensemble
 
     out = tmp_path / "sim.json"
-    interrupt_after(monkeypatch, sim_run, "run_policies", 2)
-    assert main([*SWEEP, "--json", str(out)]) == 130
+    # A sweep's replays go through the ensemble runner (in this process with --jobs 1): 2 policies
+    # per capacity, interrupted during the third capacity.
+    interrupt_after(monkeypatch, ensemble._Replayer, "run", 4)
+    assert main([*SWEEP, "--jobs", "1", "--json", str(out)]) == 130
     err = capsys.readouterr().err
     assert err == f"penelope: interrupted; wrote the 2 of 3 capacities that finished (64K, 96K) to {out}\n"
     payload = json.loads(out.read_text())
@@ -208,12 +210,12 @@ def test_ctrl_c_keeps_the_finished_capacities(tmp_path, capsys, monkeypatch):
 
 
 def test_ctrl_c_before_any_capacity_finished_writes_nothing(tmp_path, capsys, monkeypatch):
-    import penelope.sim.run as sim_run
+    from penelope.sim import ensemble
 
     out = tmp_path / "sim.json"
     out.write_text("previous results")
-    interrupt_after(monkeypatch, sim_run, "run_policies", 0)
-    assert main([*SWEEP, "--json", str(out)]) == 130
+    interrupt_after(monkeypatch, ensemble._Replayer, "run", 0)
+    assert main([*SWEEP, "--jobs", "1", "--json", str(out)]) == 130
     assert capsys.readouterr().err == f"penelope: interrupted before any capacity finished; {out} not written\n"
     assert out.read_text() == "previous results"
 

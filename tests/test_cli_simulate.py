@@ -130,7 +130,7 @@ def test_analyze_weka_folder(tmp_path, capsys):
         (["simulate", "--limit-sessions", "0"], "--limit-sessions"),
         (["simulate", "--trace", str(TRACES), "--overflow", "wrap"], "overflow"),
         (["simulate", "--band", "0.1"], "--band applies to the runs of an ensemble: give --repeat N"),
-        (["simulate", "--jobs", "2"], "--jobs applies to the runs of an ensemble"),
+        (["simulate", "--jobs", "0"], "--jobs must be at least 1"),
         (["simulate", "--repeat", "0"], "--repeat must be at least 1"),
         (["simulate", "--repeat", "2", "--band", "1.5"], "--band must be in [0, 1)"),
         (["simulate", "--repeat", "2", "--jitter", "-0.1"], "--jitter must be in [0, 1)"),

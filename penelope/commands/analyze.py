@@ -1,8 +1,10 @@
 """`penelope analyze`: what a trace says about KV caching before any policy is chosen.
 
 Request lengths, the shared prefix, the hit rate of a cache that never evicts, the reuse
-distance, and the estimated Penelope gain at one capacity from a quick replay (SGLang vs
-Penelope, the same server model as `penelope simulate`). See `penelope.sim.analysis`.
+distance, for an open-loop trace its offered load and the replicas it needs to stay below
+saturation (`penelope.sim.saturation`), and the estimated Penelope gain at one capacity from a
+quick replay (SGLang vs Penelope, the same server model as `penelope simulate`, on that many
+replicas). See `penelope.sim.analysis`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from penelope.units import format_size
 
 
 def add_parser(subparsers) -> None:
+    from penelope.sim.fleet_options import add_fleet_arguments
     from penelope.sim.options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
 
@@ -35,17 +38,29 @@ def add_parser(subparsers) -> None:
         "--scheduler", default="lpm", help="waiting-queue order: lpm (longest prefix match first) | fcfs"
     )
     parser.add_argument("--chunk-size", default="8K", help="prefill tokens per batch")
+    add_fleet_arguments(
+        parser, sweep=False,
+        replicas_help="default: 1 for closed-loop workloads; for open-loop traces the replicas the offered load "
+        "needs at 80%% utilization",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
-    from penelope.commands.simulate import percent, prepare, progress_bar, write_json
+    import dataclasses
+
+    from penelope.commands.simulate import percent, prepare, progress_bar
+    from penelope.commands.simulate_json import write_json
     from penelope.errors import UsageError
+    from penelope.memory import check_memory
     from penelope.outputs import check_outputs
     from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
+    from penelope.sim.fleet_report import fleet_label, offered_load_lines
     from penelope.sim.options import workload_inputs
+    from penelope.sim.replay import replay_memory
     from penelope.sim.run import baseline_of, json_ready, run_policies
+    from penelope.sim.saturation import offered_load
     from penelope.sim.workloads import workload_stats
 
     if args.path is None and args.format != "synthetic":
@@ -54,19 +69,29 @@ def run(args) -> int:
         raise UsageError("--gpu-cache: analyze estimates the gain at one capacity")
     args.cpu_cache = "0"
     check_outputs({"--json": args.json}, workload_inputs(args, args.path))
-    setup = prepare(args)
+    chosen = args.replicas
+    args.replicas = chosen or 1
+    setup = prepare(args, sweep_routers=False)
     workload = setup["workload"]
     capacity = setup["capacities"][0]
     stats = workload_stats(workload)
     prefix = shared_prefix(workload)
     unbounded = unbounded_hit_rate(workload)
+    load = None
+    if not workload.closed_loop:
+        load = offered_load(workload, setup["time_model"], setup["cost"], capacity)
+        if chosen is None and load.span > 0:
+            args.replicas = load.replicas_needed(0.8)
+            # `prepare` checked one replica's memory; every replica holds its own cache.
+            check_memory(replay_memory(workload, capacity, 64) * args.replicas,
+                         f"replaying {workload.num_requests:,} requests in a cache of {format_size(capacity)} tokens "
+                         f"on each of {args.replicas} replicas")
+    config = dataclasses.replace(setup["make_config"](capacity), replicas=args.replicas)
 
     policies = ["sglang", "penelope"]
     bar = progress_bar(workload.num_requests * len(policies), args.no_progress)
     try:
-        results = run_policies(
-            workload, policies, setup["make_config"](capacity), setup["time_model"], setup["cost"], progress=bar
-        )
+        results = run_policies(workload, policies, config, setup["time_model"], setup["cost"], progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -76,26 +101,53 @@ def run(args) -> int:
 
     describe = setup["config"]["workload"]
     print(f"workload: {describe['format']} {describe['trace'] or ''}".rstrip()
-          + f": {stats['sessions']} sessions, {stats['requests']:,} requests")
+          + f": {stats['sessions']:,} sessions, {stats['requests']:,} requests")
     print(format_table(
         ("tokens", "p10", "p50", "p90", "max"),
         [("input", *(_tokens(stats[f"input_{q}"]) for q in ("p10", "p50", "p90", "max")))],
     ))
     print(f"output tokens: p50 {stats['output_p50']:,.0f}, mean {stats['output_mean']:,.0f}")
-    print(f"turns: {stats['extension_fraction']:.0%} extend the previous input, "
-          f"{stats['compaction_fraction']:.1%} compactions; tool waits p50 {stats['tool_wait_p50']:.0f} s, "
-          f"p90 {stats['tool_wait_p90']:.0f} s; human turns {stats['human_fraction']:.0%}")
+    if stats["extension_fraction"] == stats["extension_fraction"]:
+        turns = f"turns: {stats['extension_fraction']:.0%} extend the previous input, " \
+            f"{stats['compaction_fraction']:.1%} compactions; "
+    else:
+        # NaN: no session has a second turn (an open-loop trace without --conversations prefix).
+        turns = "turns: every session is a single request; "
+    if workload.closed_loop:
+        print(turns + f"tool waits p50 {stats['tool_wait_p50']:.0f} s, p90 {stats['tool_wait_p90']:.0f} s; "
+              f"human turns {stats['human_fraction']:.0%}")
+    else:
+        print(turns + "open loop: requests sent at their recorded arrival times")
     print(f"shared prefix: {_tokens(prefix['all_sessions'])} tokens common to all sessions; "
           f"longest shared with another session p50 {_tokens(prefix['pairwise_p50'])}, "
           f"max {_tokens(prefix['pairwise_max'])}")
     print(f"hit rate under an unbounded cache: {unbounded['hit_rate']:.1%}")
-    print(f"reuse distance ({args.sessions} sessions at once): p50 {_tokens(reuse['p50'])}, "
-          f"p90 {_tokens(reuse['p90'])}, max {_tokens(reuse['max'])} tokens; "
-          f"an LRU cache of {format_size(capacity)} keeps the history for {reuse['lru_fit']:.0%} of reuses")
+    traffic = f"{args.sessions} sessions at once" if workload.closed_loop else "every request in send order"
+    if args.replicas > 1:
+        traffic += f", all {args.replicas} replicas' traffic together"
+    if reuse["reuses"]:
+        print(f"reuse distance ({traffic}): p50 {_tokens(reuse['p50'])}, "
+              f"p90 {_tokens(reuse['p90'])}, max {_tokens(reuse['max'])} tokens; "
+              f"an LRU cache of {format_size(capacity)} keeps the history for {reuse['lru_fit']:.0%} of reuses")
+    else:
+        print("reuse distance: none to measure, no session sends a second request")
+    if load is not None:
+        for line in offered_load_lines(load, capacity, args.replicas):
+            print(line)
+    if args.replicas > 1:
+        how = "given" if chosen else "the offered load's count at 80% utilization"
+        print(f"replayed on {args.replicas} replicas behind the {config.router} router ({how})")
+    saturation = base.fleet.saturation
+    if saturation.open_loop:
+        worst = max(s.late_wait for s in saturation.servers)
+        calm = f"none: every replica kept up (requests sent in the trace's last 10% waited {worst:.1f} s on average " \
+            "on the busiest replica)"
+        print("saturation: " + (saturation.warning() or calm))
     penelope = results["penelope"]
     change = penelope.changes
     print(
-        f"estimated gain at {format_size(capacity)} ({setup['shape'].name}, {args.scheduler.upper()}): "
+        f"estimated gain at {format_size(capacity)}{fleet_label(config)} ({setup['shape'].name}, "
+        f"{args.scheduler.upper()}): "
         f"hit rate SGLang {base.summary.hit_rate:.1%} -> Penelope {penelope.summary.hit_rate:.1%}; "
         f"TTFT mean {percent(change['ttft_mean'])}, p90 {percent(change['ttft_p90'])}, "
         f"JCT mean {percent(change['jct_mean'])}"
@@ -108,6 +160,8 @@ def run(args) -> int:
             "shared_prefix": prefix,
             "unbounded": unbounded,
             "reuse_distance": reuse,
+            "offered_load": load.as_dict() if load is not None else None,
+            "replicas": args.replicas,
             "estimate": {name: result.as_dict() for name, result in results.items()},
         }
         write_json(args.json, json_ready(payload))

@@ -10,7 +10,6 @@ With `--repeat N` every setting is replayed N times with seeded perturbations
 
 from __future__ import annotations
 
-import json
 import sys
 
 from penelope.report import format_table
@@ -23,6 +22,7 @@ MAX_JOBS = 256
 
 
 def add_parser(subparsers) -> None:
+    from penelope.sim.fleet_options import add_fleet_arguments
     from penelope.sim.options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
 
@@ -69,6 +69,8 @@ def add_parser(subparsers) -> None:
         help="comma-separated eviction policies, 'ablation' for the paper's six-policy grid, or 'all' for every "
         "registered policy (the grid, ttl, flop-recency, penelope-agent and the offline oracle)",
     )
+    add_fleet_arguments(parser)
+    parser.add_argument("--per-replica", action="store_true", help="with --replicas N > 1: a table per replica")
     add_ensemble_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT and hit rate per policy")
@@ -102,14 +104,16 @@ def add_ensemble_arguments(parser) -> None:
     )
     parser.add_argument("--perturb-seed", type=int, help="with --repeat: seed of the perturbations (default 0)")
     parser.add_argument(
-        "--jobs", type=int, metavar="J", help="with --repeat: worker processes (default: the CPU cores)"
+        "--jobs", type=int, metavar="J",
+        help="worker processes replaying settings in parallel, results identical to one process (default: the "
+        "CPU cores for an ensemble or a sweep of capacities or routers, 1 for a single setting)",
     )
 
 
 def ensemble_options(args):
-    """(repeat, Perturbation or None, jobs) from the options; perturbation options need --repeat N >= 2."""
+    """(repeat, Perturbation or None, jobs or None: the default) from the options; perturbation
+    options need --repeat N >= 2."""
     from penelope.errors import UsageError
-    from penelope.sim.ensemble import default_jobs
     from penelope.sim.perturb import DEFAULT_BAND, Perturbation
 
     repeat = args.repeat
@@ -117,170 +121,142 @@ def ensemble_options(args):
         raise UsageError(f"--repeat must be at least 1, got {repeat}")
     if repeat > MAX_REPEAT:
         raise UsageError(f"--repeat must be at most {MAX_REPEAT:,}, got {repeat:,}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.jobs is not None and args.jobs > MAX_JOBS:
+        raise UsageError(f"--jobs must be at most {MAX_JOBS}, got {args.jobs:,} (each worker holds the whole workload)")
     given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
-                                      ("--perturb-seed", args.perturb_seed), ("--jobs", args.jobs))
-             if value is not None]
+                                      ("--perturb-seed", args.perturb_seed)) if value is not None]
     if repeat == 1:
         if given:
             raise UsageError(f"{given[0]} applies to the runs of an ensemble: give --repeat N with N >= 2")
-        return 1, None, 1
+        return 1, None, args.jobs
     perturbation = Perturbation(
         band=DEFAULT_BAND if args.band is None else args.band,
         jitter=0.0 if args.jitter is None else args.jitter,
         seed=0 if args.perturb_seed is None else args.perturb_seed,
     )
-    jobs = default_jobs() if args.jobs is None else args.jobs
-    if jobs < 1:
-        raise UsageError(f"--jobs must be at least 1, got {jobs}")
-    if jobs > MAX_JOBS:
-        raise UsageError(f"--jobs must be at most {MAX_JOBS}, got {jobs:,} (each worker holds the whole workload)")
-    return repeat, perturbation, jobs
+    return repeat, perturbation, args.jobs
 
 
 def run(args) -> int:
+    from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
     from penelope.outputs import check_outputs
+    from penelope.sim.ensemble import run_ensembles
+    from penelope.sim.fleet_report import fleet_table, saturation_warnings
     from penelope.sim.options import workload_inputs
-    from penelope.sim.run import parse_policies, run_policies
+    from penelope.sim.run import parse_policies
     from penelope.sim.timemodel import TimeModel
 
     policies = parse_policies(args.policies)
+    if args.replicas is not None and args.replicas > 1:
+        check_fleet_policies(policies, args.replicas)
     repeat, perturbation, jobs = ensemble_options(args)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
-    setup = prepare(args, workers=jobs, tasks=repeat * len(policies))
+    setup = prepare(args, workers=jobs, repeat=repeat, policies=len(policies))
     workload, config_json = setup["workload"], setup["config"]
     config_json["policies"] = policies
-    capacities = setup["capacities"]
+    capacities, settings, jobs = setup["capacities"], setup["settings"], setup["jobs"]
     config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
     time_model: TimeModel = setup["time_model"]
     print_config(config_json, time_model)
+    fleet = args.replicas > 1
     if repeat > 1:
-        return run_ensemble(args, setup, policies, repeat, perturbation, jobs)
-
-    bar = progress_bar(workload.num_requests * len(policies) * len(capacities), args.no_progress)
-    sweep = []
+        config_json["ensemble"] = ensemble_json(repeat, perturbation, jobs)
+        print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
+    elif len(settings) > 1:
+        print(f"sweep: {len(settings)} settings x {len(policies)} policies, {jobs} worker processes")
+    print_offered_load(setup)
+    bar = progress_bar(workload.num_requests * len(policies) * len(settings) * repeat, args.no_progress)
+    finished: dict[int, object] = {}
     try:
-        for capacity in capacities:
-            config = setup["make_config"](capacity)
-            results = run_policies(workload, policies, config, time_model, setup["cost"], progress=bar)
-            sweep.append((capacity, results))
+        ensembles = run_ensembles(
+            workload, policies, [setup["make_config"](c, router) for c, router in settings], time_model,
+            setup["cost"], repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
+            on_ensemble=finished.__setitem__,
+        )
     except KeyboardInterrupt:
-        finished = [(capacity, {name: r.as_dict() for name, r in results.items()}) for capacity, results in sweep]
-        raise interrupted(args.json, config_json, capacities, finished) from None
+        done = [(settings[i], setting_results(finished[i], policies)) for i in sorted(finished)]
+        raise interrupted(args.json, config_json, settings, done, fleet) from None
     finally:
         if bar is not None:
             bar.close()
-    for capacity, results in sweep:
+    sweep = list(zip(settings, ensembles, strict=True))
+    for (capacity, _), ensemble in sweep:
         print()
-        print(results_table(capacity, results))
+        if repeat > 1:
+            from penelope.sim.ensemble_report import ensemble_tables
+
+            print(ensemble_tables(capacity, ensemble))
+        else:
+            print(results_table(capacity, ensemble.runs[0], ensemble.config))
+        if fleet:
+            print(fleet_table(ensemble, args.per_replica))
     print(
         "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
-        "changes are relative to sglang, hit rate in percentage points"
+        + ("a change is a win or a loss only when its interval excludes zero" if repeat > 1 else
+           "changes are relative to sglang, hit rate in percentage points")
     )
-
+    for line in saturation_warnings(sweep):
+        print(line, file=sys.stderr)
     if args.json:
-        finished = [(capacity, {name: r.as_dict() for name, r in results.items()}) for capacity, results in sweep]
-        write_json(args.json, sweep_payload(config_json, capacities, finished))
+        done = [(setting, setting_results(ensemble, policies)) for setting, ensemble in sweep]
+        write_json(args.json, sweep_payload(config_json, settings, done, fleet))
         print(f"wrote {args.json}")
     if args.plot:
-        plot_results(args.plot, sweep, setup["shape"].name)
+        if len({router for _, router in settings}) > 1:
+            print("--plot draws the capacity sweep of one router: drawing the first router's")
+        first = [(c, e) for (c, r), e in sweep if r == settings[0][1]]
+        if repeat > 1:
+            from penelope.sim.ensemble_report import plot_ensembles
+
+            plot_ensembles(args.plot, first, setup["shape"].name)
+        else:
+            plot_results(args.plot, [(c, e.runs[0]) for c, e in first], setup["shape"].name)
         print(f"wrote {args.plot}")
     return 0
 
 
-def sweep_payload(config: dict, capacities: list[int], finished: list[tuple[int, dict]]) -> dict:
-    """The JSON of a run: one capacity's `results`, or a `sweep` of every finished capacity."""
-    payload = {"config": config}
-    if len(capacities) == 1:
-        payload["results"] = finished[0][1]
-    else:
-        payload["sweep"] = [{"gpu_cache": capacity, "results": results} for capacity, results in finished]
-    return payload
+def check_fleet_policies(policies: list[str], replicas: int) -> None:
+    """The offline oracle's lower bound replays one cache: refuse it on several replicas."""
+    from penelope.errors import UsageError
+    from penelope.policy import get_policy
+    from penelope.sim.bracket import ORACLE
+
+    if any(get_policy(name).name == ORACLE for name in policies):
+        raise UsageError(f"--policies: the {ORACLE} policy and its lower bound need one server, not --replicas "
+                         f"{replicas}")
 
 
-def write_json(path: str, payload: dict) -> None:
-    from penelope.outputs import write_text
-
-    write_text(path, json.dumps(payload, indent=2))
-
-
-def interrupted(path: str | None, config: dict, capacities: list[int], finished: list[tuple[int, dict]]):
-    """Ctrl-C during the replays: write the capacities that finished (with `interrupted` saying
-    which did not) to `path`, and return the one-line `Interrupted` to raise."""
-    from penelope.errors import Interrupted
-
-    if not path:
-        return Interrupted("interrupted")
-    if not finished:
-        return Interrupted(f"interrupted before any capacity finished; {path} not written")
-    done = [capacity for capacity, _ in finished]
-    payload = sweep_payload(config, capacities, sorted(finished, key=lambda item: capacities.index(item[0])))
-    payload["interrupted"] = {"finished": done, "not_run": [c for c in capacities if c not in done]}
-    write_json(path, payload)
-    sizes = ", ".join(format_size(capacity) for capacity in done)
-    return Interrupted(f"interrupted; wrote the {len(done)} of {len(capacities)} capacities that finished "
-                       f"({sizes}) to {path}")
-
-
-def run_ensemble(args, setup: dict, policies: list[str], repeat: int, perturbation, jobs: int) -> int:
-    """`simulate --repeat N`: every capacity and policy replayed N times, paired by run."""
-    from penelope.sim.ensemble import run_ensembles
-    from penelope.sim.ensemble_report import ensemble_tables, plot_ensembles
+def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
     from penelope.sim.stats import CONFIDENCE
 
-    workload, config_json, capacities = setup["workload"], setup["config"], setup["capacities"]
-    config_json["ensemble"] = {
+    return {
         "repeat": repeat,
         "jobs": jobs,
         "confidence": CONFIDENCE,
         "interval": "Student t over runs; changes paired run by run",
         **perturbation.as_dict(),
     }
-    print(f"ensemble: {repeat} runs of every setting, {perturbation.describe()}, {jobs} worker processes")
-    bar = progress_bar(workload.num_requests * len(policies) * len(capacities) * repeat, args.no_progress)
-    finished: dict[int, object] = {}
-    try:
-        ensembles = run_ensembles(
-            workload, policies, [setup["make_config"](c) for c in capacities], setup["time_model"], setup["cost"],
-            repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
-            on_ensemble=finished.__setitem__,
-        )
-    except KeyboardInterrupt:
-        done = [(capacities[c], {name: finished[c].policy_dict(name) for name in policies}) for c in sorted(finished)]
-        raise interrupted(args.json, config_json, capacities, done) from None
-    finally:
-        if bar is not None:
-            bar.close()
-    sweep = list(zip(capacities, ensembles, strict=True))
-    for capacity, ensemble in sweep:
-        print()
-        print(ensemble_tables(capacity, ensemble))
-    print(
-        "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
-        "a change is a win or a loss only when its interval excludes zero"
-    )
-    if args.json:
-        finished_dicts = [(capacity, {name: ensemble.policy_dict(name) for name in policies})
-                          for capacity, ensemble in sweep]
-        write_json(args.json, sweep_payload(config_json, capacities, finished_dicts))
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_ensembles(args.plot, sweep, setup["shape"].name)
-        print(f"wrote {args.plot}")
-    return 0
 
 
-def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
-    """Everything both `simulate` and `analyze` need from the options: the workload, the model,
-    the time and cost models, the GPU capacities (the model's default when none is given) and a
-    factory of `SimConfig`s by capacity. Options are validated before the workload is loaded, and
-    the memory the replays may reach (in up to `workers` processes running `tasks` replays per
-    capacity) is checked before they start."""
+def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: int = 1, policies: int = 2) -> dict:
+    """Everything both `simulate` and `analyze` need from the options: the workload (waits scaled
+    by --time-scale), the model, the time and cost models, the GPU capacities (the model's default
+    when none is given), the settings to replay ((capacity, router) pairs; one router unless
+    `sweep_routers`), a factory of `SimConfig`s by (capacity, router), and `jobs`: the worker
+    processes (`workers`; None: every core for an ensemble or a sweep, else 1). Options are
+    validated before the workload is loaded, and the memory the replays may reach (in up to `jobs`
+    processes, `repeat` runs of `policies` policies per setting) is checked before they start."""
     import dataclasses
 
     from penelope.costmodel import CostModel
     from penelope.errors import UsageError
     from penelope.memory import check_memory
     from penelope.models import get_model
+    from penelope.sim import conversations
+    from penelope.sim.ensemble import default_jobs
+    from penelope.sim.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
     from penelope.sim.options import load_from_args
     from penelope.sim.replay import replay_memory
     from penelope.sim.run import SimConfig, default_gpu_cache
@@ -300,7 +276,13 @@ def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
     swap_buffer = parse_size(getattr(args, "swap_buffer", None) or "1K", "--swap-buffer")
     chunk_size = parse_size(args.chunk_size, "--chunk-size")
 
-    def make_config(capacity: int) -> SimConfig:
+    routers = routers_from_args(args, sweep=sweep_routers)
+    routing = routing_from_args(args)
+    time_scale = check_time_scale(args.time_scale)
+    if args.conversations not in conversations.MODES:
+        conversations.apply(None, args.conversations)
+
+    def make_config(capacity: int, router: str = routers[0]) -> SimConfig:
         return SimConfig(
             gpu_cache=capacity,
             cpu_cache=cpu_cache,
@@ -308,25 +290,42 @@ def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
             sessions=args.sessions,
             scheduler=args.scheduler,
             chunk_size=chunk_size,
+            replicas=args.replicas,
+            router=router,
+            routing=routing,
         )
 
     capacities = capacities or [default_gpu_cache(shape)]
+    # With one replica the router has nothing to choose: one setting per capacity.
+    settings = [(c, router) for c in capacities for router in (routers if args.replicas > 1 else routers[:1])]
     # Validate every option before the (slow) workload load and replays.
-    for capacity in capacities:
-        make_config(capacity)
+    for capacity, router in settings:
+        make_config(capacity, router)
     workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
+    if args.conversations != "none":
+        workload = conversations.apply(workload, args.conversations)
+        description["sessions"] = len(workload.sessions)
+    description["conversations"] = args.conversations
+    description["closed_loop"] = workload.closed_loop
+    workload = scale_time(workload, time_scale)
+    description["time_scale"] = time_scale
     smallest = min(r.input_tokens + r.output_tokens for _, _, r in workload.requests())
     for capacity in capacities:
         if capacity < smallest:
             raise UsageError(f"--gpu-cache {format_size(capacity)}: no request of the workload fits in it (the "
                              f"smallest needs {smallest:,} tokens of input and output)")
-    # Caches grow as they fill: what the largest one may reach must fit, in every worker process.
-    workers = min(workers, tasks * len(capacities))
+    if workers is None:
+        workers = default_jobs() if repeat > 1 or len(settings) > 1 else 1
+    jobs = workers
+    # Caches grow as they fill: what the largest one may reach must fit, in every replica of every
+    # worker process.
+    workers = min(workers, repeat * policies * len(settings))
     concurrent = args.sessions if workload.closed_loop else 64
-    need = replay_memory(workload, max(capacities) + cpu_cache, max(1, concurrent)) * workers
+    need = replay_memory(workload, max(capacities) + cpu_cache, max(1, concurrent)) * args.replicas * workers
     where = f" in {workers} processes" if workers > 1 else ""
+    replicas = f" on each of {args.replicas} replicas" if args.replicas > 1 else ""
     check_memory(need, f"replaying {workload.num_requests:,} requests in a cache of "
-                 f"{format_size(max(capacities) + cpu_cache)} tokens{where}")
+                 f"{format_size(max(capacities) + cpu_cache)} tokens{replicas}{where}")
     config = {
         "workload": description,
         "model": shape.name,
@@ -339,8 +338,12 @@ def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
         "scheduler": args.scheduler,
         "chunk_size": chunk_size,
         "block_size": 64,
+        "replicas": args.replicas,
         "time_model": time_model.as_dict(),
     }
+    if args.replicas > 1:
+        config["routers"] = routers
+        config["routing"] = dataclasses.asdict(routing)
     return {
         "workload": workload,
         "config": config,
@@ -348,7 +351,9 @@ def prepare(args, workers: int = 1, tasks: int = 1) -> dict:
         "time_model": time_model,
         "cost": CostModel(shape),
         "capacities": capacities,
+        "settings": settings,
         "make_config": make_config,
+        "jobs": jobs,
     }
 
 
@@ -368,14 +373,16 @@ def print_config(config: dict, time_model) -> None:
     dropped = ", ".join(f"{k} {v}" for k, v in loader["dropped"].items()) or "none"
     skipped = ", ".join(f"{k} {v}" for k, v in loader["sessions_skipped"].items()) or "none"
     print(
-        f"workload: {source}: {work['sessions']} sessions, {work['requests']:,} requests "
+        f"workload: {source}: {work['sessions']:,} sessions, {work['requests']:,} requests "
         f"(requests left out: {dropped}; sessions left out: {skipped})"
     )
     think = work["think_time"]
+    closed = work.get("closed_loop", True)
     print(
-        f"  max context {format_size(work['max_context'])}, think time {think['mode']}"
-        + (f" x{think['scale']:g}" if think["scale"] != 1 else "")
-        + (f" capped at {think['cap']:g} s" if think["cap"] is not None else "")
+        f"  max context {format_size(work['max_context'])}, "
+        + (f"think time {think['mode']}" + (f" x{think['scale']:g}" if think["scale"] != 1 else "")
+           + (f" capped at {think['cap']:g} s" if think["cap"] is not None else "")
+           if closed else "open loop: requests sent at their recorded arrival times")
     )
     print(
         f"model {config['model']} on {config['num_gpus']}x {config['gpu'].upper()} "
@@ -387,9 +394,13 @@ def print_config(config: dict, time_model) -> None:
     sizes = ", ".join(format_size(c) for c in gpu_cache) if isinstance(gpu_cache, list) else format_size(gpu_cache)
     print(
         f"server: GPU cache {sizes} tokens, CPU cache {format_size(config['cpu_cache'])}, "
-        f"{config['sessions']} sessions at once, {config['scheduler'].upper()} scheduler, "
+        + (f"{config['sessions']} sessions at once, " if closed else "")
+        + f"{config['scheduler'].upper()} scheduler, "
         f"{config['chunk_size']} prefill tokens per batch"
+        + (f", {config['replicas']} replicas behind {' | '.join(config['routers'])}" if config["replicas"] > 1 else "")
     )
+    if work.get("time_scale", 1.0) != 1.0:
+        print(f"  time scale x{work['time_scale']:g}: every wait between requests {work['time_scale']:g} times as long")
 
 
 def kernel_statement(time_model) -> str:
@@ -403,14 +414,32 @@ def kernel_statement(time_model) -> str:
     return text + ", batches refilling holes too (--phantom-kernel triton: the Triton ragged kernel)"
 
 
-def results_table(capacity: int, results: dict) -> str:
-    """The per-policy table of one capacity, with SGLang's hit rate as the pressure."""
+def print_offered_load(setup: dict) -> None:
+    """For an open-loop trace: its offered load against the servers (`penelope.sim.saturation`)."""
+    from penelope.sim.fleet_report import offered_load_lines
+    from penelope.sim.saturation import offered_load
+
+    workload = setup["workload"]
+    if workload.closed_loop:
+        return
+    capacity = min(setup["capacities"])
+    load = offered_load(workload, setup["time_model"], setup["cost"], capacity)
+    setup["config"]["offered_load"] = load.as_dict()
+    for line in offered_load_lines(load, capacity, setup["config"]["replicas"]):
+        print(line)
+
+
+def results_table(capacity: int, results: dict, config=None) -> str:
+    """The per-policy table of one capacity (of `config`, a `SimConfig`), with SGLang's hit rate as
+    the pressure."""
+    from penelope.sim.fleet_report import fleet_label
     from penelope.sim.run import baseline_of
 
     base = baseline_of(results)
     skipped = base.replay.skipped
     head = (
-        f"GPU cache {format_size(capacity)}: pressure = SGLang hit rate {base.summary.hit_rate:.1%}, "
+        f"GPU cache {format_size(capacity)}{fleet_label(config)}: pressure = SGLang hit rate "
+        f"{base.summary.hit_rate:.1%}, "
         f"{base.summary.requests:,} requests"
         + (f" ({skipped} never fit the cache and were skipped)" if skipped else "")
     )

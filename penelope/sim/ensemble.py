@@ -10,8 +10,8 @@ baseline are computed within the run (`penelope.sim.run.compare_with_baseline`),
 Replays are independent and deterministic, so they run in `jobs` worker processes (spawned, each
 receiving the workload once) with results identical to a sequential run: a replay's outcome
 depends only on its inputs, and results are put back in (capacity, run, policy) order whatever
-the order they finish in. Only `wall_time` (seconds a replay took) differs. Workers drop the
-per-request records before sending a result back; the summaries stay.
+the order they finish in. Only `wall_time` (seconds a replay took) differs. Every replay drops
+its per-request records and its servers' queue traces once summarized; the summaries stay.
 """
 
 from __future__ import annotations
@@ -149,7 +149,9 @@ class _Replayer:
                 self._perturbed = (run, self.perturbation.workload(workload, run))
             workload = self._perturbed[1]
         result = run_policy(workload, policy, self.configs[config_index], time_model, self.cost, self.progress)
-        result.replay = dataclasses.replace(result.replay, records=[])
+        # The summaries (fleet ones included) are made: drop what grows with the trace.
+        servers = [dataclasses.replace(counters, queue=[]) for counters in result.replay.servers]
+        result.replay = dataclasses.replace(result.replay, records=[], servers=servers, events=[])
         return result
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from penelope.report import format_table
+from penelope.sim.fleet_report import fleet_label
 from penelope.sim.stats import NO_DIFFERENCE, Estimate
 from penelope.units import format_size
 
@@ -70,7 +71,8 @@ def ensemble_tables(capacity: int, ensemble) -> str:
     skipped = first.replay.skipped
     perturbation = ensemble.perturbation.describe() if ensemble.perturbation else "no perturbation"
     head = (
-        f"GPU cache {format_size(capacity)}: pressure = SGLang hit rate {plus_minus(pressure, '.1%')}, "
+        f"GPU cache {format_size(capacity)}{fleet_label(ensemble.config)}: pressure = SGLang hit rate "
+        f"{plus_minus(pressure, '.1%')}, "
         f"{first.summary.requests:,} requests"
         + (f" ({skipped} never fit the cache and were skipped)" if skipped else "")
         + f"\n{ensemble.repeat} runs ({perturbation}); mean ±half-width of the "

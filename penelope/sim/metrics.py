@@ -32,7 +32,9 @@ from penelope.errors import UsageError
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """What the simulator records for one finished request (times in s, sizes in tokens)."""
+    """What the simulator records for one finished request (times in s, sizes in tokens);
+    `replica`: the server that served it (0 with one server); `admit_time`: when the prefill batch
+    of its first chunk started (its wait in the queue ends then)."""
 
     session: str
     index: int
@@ -45,6 +47,8 @@ class RequestRecord:
     recompute_cost: float = 0.0
     loaded_tokens: int = 0
     swap_loads: int = 0
+    replica: int = 0
+    admit_time: float | None = None
 
     def __post_init__(self) -> None:
         where = f"request {self.index} of session {self.session!r}"
@@ -61,6 +65,11 @@ class RequestRecord:
     @property
     def ttft(self) -> float:
         return self.first_token_time - self.send_time
+
+    @property
+    def queue_time(self) -> float:
+        """Seconds from its send time to its admission (NaN when unknown)."""
+        return self.admit_time - self.send_time if self.admit_time is not None else math.nan
 
 
 @dataclass(frozen=True)

@@ -1,55 +1,56 @@
-"""Event loop of the simulator: replay a workload through the real KV cache and a serving-time model.
+"""Event loop of the simulator: replay a workload through one or more servers, each with its real
+KV cache and a serving-time model, behind a router.
 
 Timing (seconds of simulated time):
 - Closed loop (WEKA, synthetic): `sessions` sessions run at once, the first ones starting at 0;
   a session sends request i+1 at request i's finish + its `think_time`; when a session's last
   request finishes, the next session in workload order starts then.
 - Open loop (Mooncake): every request is sent at its `arrival`; `sessions` does not apply.
-- The server alternates batches as SGLang does: when a prefill batch can be formed (a cut
-  prompt continues, or a waiting request is admitted), it runs, pausing decode; otherwise one
-  decode step runs for every request that has its first token and still generates. A prefill
-  batch takes `TimeModel.prefill_time` over every span it computes (phantom holes and new
-  tokens: linear units per token, attention pairs from the cost model; a batch with a phantom
-  segment on the time model's `phantom_kernel`) plus CPU->GPU loads;
-  a decode step takes `TimeModel.decode_step_time` of the batch's KV.
-- A request's first token comes out of the batch that computes its last prompt chunk; its reply
-  ends after `output_tokens - 1` decode steps (at once when it has at most one output token).
-- Between events nothing changes for the scheduler, so decode steps are advanced in one go up to
-  the next finish or the step during which the next request arrives (the step completes, then
-  the scheduler sees the arrival).
+- Each server (`penelope.sim.server.Server`) alternates prefill batches and decode runs on its own
+  clock. A request is routed when it is sent (`penelope.sim.router`; with one server it goes to
+  that one) and reaches its server at once: a decode run in progress stops after the step during
+  which it arrived, then the server's scheduler sees it. A request's first token comes out of the
+  batch that computes its last prompt chunk; its reply ends after `output_tokens - 1` decode steps
+  (at once when it has at most one output token).
+- Events at equal times: servers first finish their actions, then requests sent at that time
+  are routed, then idle servers start their next actions.
 
-Requests that can never fit the cache (input + output > capacity) are not sent: they are
-counted in `ReplayResult.skipped`, and the session goes on with its next request as if the
-skipped one had finished at its send time.
+Requests that can never fit a server's cache (input + output > capacity) are routed, turned away
+by the server, and counted in `ReplayResult.skipped`; the session goes on with its next request
+as if the skipped one had finished at its send time.
 
-Hints (`penelope.waits`): the cache hears of every request's arrival (at its send time) and
-finish, with what the session then waits for: a tool when its next request carries a tool result
-(the reply ended in a tool call; in the WEKA traces 99.8% of replies that stop on `tool_use` are
-followed by a tool request), else a person. Its clock is advanced to the simulated time before
-every batch. Only a policy that asks for it (`uses_foresight`, the offline oracle) is also told
-the session's next send time and how much of the sequence its next request reuses.
-`ReplayResult.events` lists admissions and finishes in order (for `penelope.sim.bound`).
+The cost of one event does not grow with the number of requests waiting: the arrival and event
+queues are heaps, and a server's scheduler sorts at most `LPM_QUEUE_MAX` waiting requests
+(SGLang's own limit, see `penelope.sim.scheduler`).
+
+Hints (`penelope.waits`): each server's cache hears of every request's arrival (at its send time)
+and finish, with what the session then waits for: a tool when its next request carries a tool
+result (the reply ended in a tool call; in the WEKA traces 99.8% of replies that stop on
+`tool_use` are followed by a tool request), else a person. Its clock is advanced to the server's
+before every batch. Only a policy that asks for it (`uses_foresight`, the offline oracle) is also
+told the session's next send time and how much of the sequence its next request reuses.
+`ReplayResult.events` lists admissions and finishes in order (for `penelope.sim.bound`; one
+server only).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from penelope.costmodel import CostModel
-from penelope.errors import InvariantError, UsageError
+from penelope.errors import UsageError
 from penelope.sim.metrics import RequestRecord
-from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, Chunk, Job, Scheduler
+from penelope.sim.router import Router
+from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Job
+from penelope.sim.server import MAX_DECODE_STEPS, Server, ServerCounters, decode_step_times
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
-from penelope.waits import ARRIVED, FINISHED, Foresight, Hint
-
-# Decode steps timed in one array at most (8 MB); a longer reply is decoded over several events.
-MAX_DECODE_STEPS = 1 << 20
-
+from penelope.waits import FINISHED, Foresight, Hint
 
 # Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
 # measured with long nodes, rounded up for histories split into many short nodes.
@@ -90,16 +91,24 @@ def check_clock_range(workload: Workload) -> None:
         raise UsageError(f"the last request arrives at {last:.3g} s, beyond the {MAX_CLOCK:.3g} s (136 years) the "
                          "simulated clock resolves to a microsecond")
 
+__all__ = ["MAX_DECODE_STEPS", "Replay", "ReplayResult", "check_clock_range", "decode_step_times", "replay",
+           "replay_memory"]
+
+# Order of events at equal times (see the module docstring).
+_FINISH, _SEND, _START = 0, 1, 2
+
 
 @dataclass
 class ReplayResult:
     """What one replay produced: a record per finished request, and counters.
 
-    skipped: requests never sent because they cannot fit the cache; prefill_batches,
-    decode_steps: batches run; phantom_batches: prefill batches that refilled a hole (costed with
-    the time model's `phantom_kernel`); phantom_tokens: hole tokens recomputed by phantoms;
-    sim_time: simulated seconds until the last reply; wall_time: seconds the replay took;
-    events: ("admit" | "finish", session number, request index) in the order they happened."""
+    skipped: requests never served because they cannot fit the cache; prefill_batches,
+    decode_steps: batches run (all servers); phantom_batches: prefill batches that refilled a hole
+    (costed with the time model's `phantom_kernel`); phantom_tokens: hole tokens recomputed by
+    phantoms; sim_time: simulated seconds until the last reply; wall_time: seconds the replay
+    took; servers: each server's counters (`penelope.sim.server.ServerCounters`); routing: how
+    the router decided, by kind (cache-aware router only); events: ("admit" | "finish", session
+    number, request index) in the order they happened (one server; empty for several)."""
 
     records: list[RequestRecord] = field(default_factory=list)
     skipped: int = 0
@@ -110,24 +119,20 @@ class ReplayResult:
     phantom_tokens: int = 0
     sim_time: float = 0.0
     wall_time: float = 0.0
+    servers: list[ServerCounters] = field(default_factory=list)
+    routing: dict[str, int] = field(default_factory=dict)
     events: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-def decode_step_times(model: TimeModel, batch_size: int, kv_tokens: int, steps: int) -> np.ndarray:
-    """Seconds of `steps` consecutive decode steps ([steps] float64) of `batch_size` requests
-    holding `kv_tokens` KV tokens at the first step, each step adding one token per request.
-    Equal to `model.decode_step_time(batch_size, kv_tokens + k * batch_size)` for step k."""
-    kv = kv_tokens + batch_size * np.arange(steps, dtype=np.float64)
-    return model.decode_overhead + model.decode_read_bytes(batch_size, kv) / model.hbm_bandwidth
-
-
 class Replay:
-    """One replay of `workload` through `cache` (a fresh `KVCache`); call `run()` once.
+    """One replay of `workload`; call `run()` once.
 
-    time_model: seconds per batch; cost_model: attention pairs and recompute costs (defaults to
-    the time model's model); sessions: concurrent closed-loop sessions; order: `"lpm"` or
-    `"fcfs"`; chunk_size: prefill tokens per batch; progress: anything with `update(n)` (a tqdm
-    bar), told of every finished or skipped request."""
+    cache: a fresh `KVCache` (one server), or a sequence of them (one server each, behind
+    `router`, a `penelope.sim.router.Router` over that many replicas); time_model: seconds per
+    batch; cost_model: attention pairs and recompute costs; sessions: concurrent closed-loop
+    sessions; order: `"lpm"` or `"fcfs"`; chunk_size: prefill tokens per batch; lpm_queue_max:
+    the longest queue LPM sorts; progress: anything with `update(n)` (a tqdm bar), told of every
+    finished or skipped request."""
 
     def __init__(
         self,
@@ -139,27 +144,47 @@ class Replay:
         sessions: int = 4,
         order: str = "lpm",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        lpm_queue_max: int = LPM_QUEUE_MAX,
+        router: Router | None = None,
         progress=None,
     ):
         if sessions < 1:
             raise UsageError(f"sessions must be at least 1, got {sessions}")
+        caches = list(cache) if isinstance(cache, Sequence) else [cache]
+        if not caches:
+            raise UsageError("a replay needs at least one server")
+        if len(caches) > 1 and router is None:
+            raise UsageError(f"{len(caches)} servers need a router")
+        if router is not None and router.replicas != len(caches):
+            raise UsageError(f"the router spreads over {router.replicas} replicas, not {len(caches)}")
         check_clock_range(workload)
         self.workload = workload
-        self.cache = cache
         self.time_model = time_model
         self.cost = cost_model
         self.sessions = sessions
-        self.scheduler = Scheduler(cache, order, chunk_size)
+        self._foresight = bool(getattr(caches[0].policy, "uses_foresight", False))
+        self.servers = [
+            Server(i, c, time_model, cost_model, order=order, chunk_size=chunk_size, lpm_queue_max=lpm_queue_max,
+                   finished_hint=self._finished_hint)
+            for i, c in enumerate(caches)
+        ]
+        self.router = router
         self.progress = progress
         self.result = ReplayResult()
         self.now = 0.0
-        # (send time, sequence number, session number, request index): requests not yet sent.
-        self._arrivals: list[tuple[float, int, int, int]] = []
+        # (time, kind, sequence number, payload): FINISH/START carry (server, its action number),
+        # SEND carries (session number, request index).
+        self._events: list[tuple[float, int, int, tuple[int, int]]] = []
         self._sequence = 0
         self._next_session = 0
-        self._decoding: list[Job] = []
-        self._admitted: set[int] = set()
-        self._foresight = bool(getattr(cache.policy, "uses_foresight", False))
+        # Per server: the number of its current action, so a cut decode run's old end is ignored.
+        self._action = [0] * len(self.servers)
+        self._starting = [False] * len(self.servers)
+
+    @property
+    def cache(self):
+        """The first server's cache (the only one with one server)."""
+        return self.servers[0].cache
 
     def run(self) -> ReplayResult:
         started = time.perf_counter()
@@ -169,129 +194,118 @@ class Replay:
         else:
             for number, session in enumerate(self.workload.sessions):
                 for index, request in enumerate(session.requests):
-                    self._push(request.arrival, number, index)
-        while True:
-            self._receive()
-            self.cache.advance(self.now)
-            if not (self._arrivals or self.scheduler.has_work() or self._decoding):
-                break
-            chunks = self.scheduler.form_prefill()
-            if chunks:
-                self._prefill(chunks)
-            elif self._decoding:
-                self._decode()
-            elif self._arrivals:
-                self.now = max(self.now, self._arrivals[0][0])
+                    self._push(request.arrival, _SEND, (number, index))
+        events = self._events
+        while events:
+            at, kind, _, payload = heapq.heappop(events)
+            self.now = max(self.now, at)
+            if kind == _SEND:
+                self._send(*payload, at)
+                continue
+            number, action = payload
+            if action != self._action[number]:
+                continue  # a decode run cut short: it ended earlier
+            if kind == _FINISH:
+                self._finish(number)
             else:
-                # Nothing runs, so the whole cache is free or evictable: the head must fit.
-                raise InvariantError("waiting requests cannot be admitted into an idle cache")
-            if not self.now <= MAX_CLOCK:
-                raise UsageError(f"the simulated clock passed {MAX_CLOCK:.3g} s (136 years) after "
-                                 f"{len(self.result.records)} requests: batches take too long for the time "
-                                 "model's constants to be real (check the calibration and the model)")
+                self._starting[number] = False
+                self._start(number)
         self.result.sim_time = self.now
         self.result.wall_time = time.perf_counter() - started
+        self._total()
         return self.result
 
-    def _push(self, send_time: float, session: int, index: int) -> None:
-        heapq.heappush(self._arrivals, (send_time, self._sequence, session, index))
+    def _push(self, at: float, kind: int, payload: tuple[int, int]) -> None:
+        heapq.heappush(self._events, (at, kind, self._sequence, payload))
         self._sequence += 1
 
     def _start_next_session(self, now: float) -> None:
         if self._next_session < len(self.workload.sessions):
-            self._push(now, self._next_session, 0)
+            self._push(now, _SEND, (self._next_session, 0))
             self._next_session += 1
 
-    def _receive(self) -> None:
-        """Hand every request sent by now to the scheduler."""
-        while self._arrivals and self._arrivals[0][0] <= self.now:
-            send_time, _, number, index = heapq.heappop(self._arrivals)
-            session = self.workload.sessions[number]
-            request = session.requests[index]
-            if request.input_tokens + request.output_tokens > self.cache.capacity:
-                self.result.skipped += 1
-                self._tick()
-                self._after(number, index, send_time)
-                continue
-            job = Job(session.id, index, request, send_time, self.workload.tokens(request), number=number)
-            self.scheduler.submit(job)
-            self.cache.hint(job.tokens, Hint(send_time, ARRIVED))
+    def _send(self, number: int, index: int, at: float) -> None:
+        """Route request `index` of session `number`, sent at `at`, and hand it to its server."""
+        session = self.workload.sessions[number]
+        request = session.requests[index]
+        chosen = 0
+        if self.router is not None:
+            chosen = self.router.route(request, number, [s.in_flight for s in self.servers], at)
+        server = self.servers[chosen]
+        if request.input_tokens + request.output_tokens > server.cache.capacity:
+            self._reschedule(chosen, server.turn_away(at))
+            self.result.skipped += 1
+            self._tick()
+            self._after(number, index, at)
+            return
+        job = Job(session.id, index, request, at, self.workload.tokens(request), number=number)
+        self._reschedule(chosen, server.receive(job, at))
 
-    def _prefill(self, chunks: list[Chunk]) -> None:
-        tokens = pairs = 0.0
-        loaded = 0
-        for chunk in chunks:
-            for start, end in chunk.segments:
-                tokens += end - start
-                pairs += self.cost.attention_pairs(start, end)
-            loaded += chunk.loaded
-        holes = any(chunk.refills_hole for chunk in chunks)
-        self.now += self.time_model.prefill_time(tokens, pairs, holes) + self.time_model.load_time(loaded)
-        self.result.prefill_batches += 1
-        self.result.phantom_batches += holes
-        self.result.prefill_tokens += int(tokens)
-        for chunk in chunks:
-            if id(chunk.job) not in self._admitted:
-                self._admitted.add(id(chunk.job))
-                self.result.events.append(("admit", chunk.job.number, chunk.job.index))
-            if not chunk.last:
-                continue
-            job = chunk.job
-            job.first_token_time = self.now
-            job.generated = min(1, job.output_tokens)
-            if job.generated >= job.output_tokens:
-                self._finish(job)
-            else:
-                self._decoding.append(job)
+    def _reschedule(self, number: int, cut: bool) -> None:
+        """After an arrival: a decode run it `cut` ends at the server's clock now; an idle server
+        starts at once."""
+        server = self.servers[number]
+        if server.busy:
+            if cut:
+                self._action[number] += 1
+                self._push(server.now, _FINISH, (number, self._action[number]))
+        elif not self._starting[number]:
+            server.now = max(server.now, self.now)
+            self._starting[number] = True
+            self._push(server.now, _START, (number, self._action[number]))
 
-    def _decode(self) -> None:
-        """Run decode steps up to the next finish, or through the step during which a request arrives."""
-        batch = self._decoding
-        steps = min(MAX_DECODE_STEPS, *(job.output_tokens - job.generated for job in batch))
-        times = np.cumsum(decode_step_times(self.time_model, len(batch), sum(j.kv_tokens for j in batch), steps))
-        if self._arrivals:
-            arrival = self._arrivals[0][0] - self.now
-            steps = min(steps, int(np.searchsorted(times, arrival, side="left")) + 1)
-        self.now += float(times[steps - 1])
-        self.result.decode_steps += steps
-        done = []
-        for job in batch:
-            job.generated += steps
-            if job.generated == job.output_tokens:
-                done.append(job)
-        if done:
-            self._decoding = [job for job in batch if job.generated < job.output_tokens]
-            for job in done:
-                self._finish(job)
+    def _start(self, number: int) -> None:
+        server = self.servers[number]
+        if server.start():
+            # A server's clock moves only here; arrivals were checked against MAX_CLOCK up front.
+            if not server.now <= MAX_CLOCK:
+                raise UsageError(f"the simulated clock passed {MAX_CLOCK:.3g} s (136 years) after "
+                                 f"{len(self.result.records)} requests: batches take too long for the time "
+                                 "model's constants to be real (check the calibration and the model)")
+            self._action[number] += 1
+            self._push(server.now, _FINISH, (number, self._action[number]))
 
-    def _finish(self, job: Job) -> None:
-        reused, recomputed = job.reused, job.recomputed
+    def _finish(self, number: int) -> None:
+        server = self.servers[number]
+        for job in server.complete():
+            self._record(job, number)
+        self._starting[number] = True
+        self._push(server.now, _START, (number, self._action[number]))
+
+    def _record(self, job: Job, replica: int) -> None:
+        recomputed = job.recomputed
         cost = sum(self.cost.span_cost(start, end) for start, end in recomputed)
-        self.result.phantom_tokens += job.phantom
-        tokens = job.tokens
-        self.scheduler.release(job)
-        self._admitted.discard(id(job))
-        self.result.events.append(("finish", job.number, job.index))
-        self.cache.hint(tokens, self._finished_hint(job, len(tokens)))
         self.result.records.append(
             RequestRecord(
                 session=job.session,
                 index=job.index,
                 send_time=job.send_time,
                 first_token_time=job.first_token_time,
-                finish_time=self.now,
+                finish_time=self.servers[replica].now,
                 input_tokens=job.input_tokens,
-                reused_tokens=reused,
+                reused_tokens=job.reused,
                 recomputed_tokens=sum(end - start for start, end in recomputed),
                 recompute_cost=cost,
                 loaded_tokens=job.loaded,
                 swap_loads=job.swap_loads,
+                replica=replica,
+                admit_time=job.admit_time,
             )
         )
         self._tick()
-        self._after(job.number, job.index, self.now)
+        self._after(job.number, job.index, self.servers[replica].now)
 
-    def _finished_hint(self, job: Job, n_tokens: int) -> Hint:
+    def _after(self, number: int, index: int, done: float) -> None:
+        """Closed loop: send the session's next request after its think time, or start the next session."""
+        if not self.workload.closed_loop:
+            return
+        requests = self.workload.sessions[number].requests
+        if index + 1 < len(requests):
+            self._push(done + requests[index + 1].think_time, _SEND, (number, index + 1))
+        else:
+            self._start_next_session(done)
+
+    def _finished_hint(self, job: Job, tokens, now: float) -> Hint:
         """What the session of a finished request waits for; its future for an oracle only."""
         requests = self.workload.sessions[job.number].requests
         following = requests[job.index + 1] if job.index + 1 < len(requests) else None
@@ -300,22 +314,25 @@ class Replay:
             if following is None:
                 foresight = Foresight(float("inf"), 0)
             else:
-                send = following.arrival if following.arrival is not None else self.now + following.think_time
+                send = following.arrival if following.arrival is not None else now + following.think_time
                 bs = self.workload.block_size
-                reuse = min(_shared_keys(job.request.keys, following.keys) * bs, n_tokens // bs * bs)
+                reuse = min(_shared_keys(job.request.keys, following.keys) * bs, len(tokens) // bs * bs)
                 foresight = Foresight(float(send), int(reuse))
-        return Hint(self.now, FINISHED, waits_for=following.kind if following is not None else HUMAN,
+        return Hint(now, FINISHED, waits_for=following.kind if following is not None else HUMAN,
                     foresight=foresight)
 
-    def _after(self, number: int, index: int, done: float) -> None:
-        """Closed loop: send the session's next request after its think time, or start the next session."""
-        if not self.workload.closed_loop:
-            return
-        requests = self.workload.sessions[number].requests
-        if index + 1 < len(requests):
-            self._push(done + requests[index + 1].think_time, number, index + 1)
-        else:
-            self._start_next_session(done)
+    def _total(self) -> None:
+        result = self.result
+        result.servers = [server.counters for server in self.servers]
+        if len(self.servers) == 1:
+            result.events = self.servers[0].events
+        for counters in result.servers:
+            result.prefill_batches += counters.prefill_batches
+            result.phantom_batches += counters.phantom_batches
+            result.decode_steps += counters.decode_steps
+            result.prefill_tokens += counters.prefill_tokens
+            result.phantom_tokens += counters.phantom_tokens
+        result.routing = dict(getattr(self.router, "decisions", {}))
 
     def _tick(self) -> None:
         if self.progress is not None:

@@ -14,6 +14,7 @@ longest-prefix-first scheduler, as SGLang's scheduler counts host hits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -24,8 +25,10 @@ from penelope.hicache import HiCacheLikeCache
 from penelope.models import ModelShape, get_model
 from penelope.policy import PAPER_GRID, get_policy, policy_names
 from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound
+from penelope.sim.fleet import FleetSummary, fleet_summary
 from penelope.sim.metrics import Summary, changes_against, summarize
 from penelope.sim.replay import Replay, ReplayResult
+from penelope.sim.router import RouterConfig, check_router, make_router
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
 from penelope.sim.timemodel import DEFAULT_GPU_CACHE, PAPER_GPU_CACHE, TimeModel
 from penelope.sim.workloads import Workload
@@ -34,6 +37,8 @@ from penelope.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
 BASELINE = "leaf-tail-node"
 BASELINE_ALIAS = "sglang"
 DEFAULT_POLICIES = ("sglang", "penelope")
+# SGLang's router defaults to its cache-aware policy.
+DEFAULT_ROUTER = "cache-aware"
 
 # Sessions served at once: beyond any server (SGLang runs at most a few thousand requests).
 MAX_SESSIONS = 1 << 20
@@ -81,8 +86,10 @@ def default_gpu_cache(shape: ModelShape) -> int:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How the server is simulated. Sizes in tokens; `cpu_cache` 0 means GPU only; `swap_buffer`:
-    host rows reserved for loads when both tiers are full (two-tier cache, not in `cpu_cache`)."""
+    """How the servers are simulated. Sizes in tokens (per replica); `cpu_cache` 0 means GPU only;
+    `swap_buffer`: host rows reserved for loads when both tiers are full (two-tier cache, not in
+    `cpu_cache`); `replicas`: servers, each with its own cache and scheduler, behind `router`
+    (`penelope.sim.router`; unused with one replica) configured by `routing`."""
 
     gpu_cache: int
     cpu_cache: int = 0
@@ -91,8 +98,16 @@ class SimConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     block_size: int = 64
     swap_buffer: int = DEFAULT_SWAP_BUFFER
+    replicas: int = 1
+    router: str = DEFAULT_ROUTER
+    routing: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise UsageError(f"--replicas must be a positive integer, got {self.replicas!r}")
+        check_router(self.router)
+        if not isinstance(self.routing, RouterConfig):
+            raise UsageError(f"routing must be a RouterConfig, got {type(self.routing).__name__}")
         if self.block_size < 1:
             raise UsageError(f"block size must be positive, got {self.block_size}")
         if self.gpu_cache < self.block_size:
@@ -138,6 +153,7 @@ class PolicyResult:
     cache_stats: CacheStats
     changes: dict[str, float] = field(default_factory=dict)
     tiers: dict | None = None
+    fleet: FleetSummary | None = None
     # The oracle's run only: a lower bound on the recompute cost of the requests it served.
     bound: float | None = None
     # Distances to the oracle's run (`penelope.sim.bracket`), when one ran beside this one.
@@ -165,6 +181,8 @@ class PolicyResult:
             data["vs_oracle"] = dict(self.to_oracle)
         if self.tiers is not None:
             data["tiers"] = dict(self.tiers)
+        if self.fleet is not None:
+            data["fleet"] = self.fleet.as_dict()
         return json_ready(data)
 
 
@@ -194,22 +212,52 @@ def run_policy(
     progress=None,
 ) -> PolicyResult:
     """One replay of `workload` under `policy` from an empty cache; `changes` are left empty."""
-    cache = make_cache(policy, config, cost_model)
+    if config.replicas > 1 and get_policy(policy).name == ORACLE:
+        # Its lower bound replays one cache's admissions and finishes.
+        raise UsageError(f"the {ORACLE} policy and its lower bound need one server, not --replicas {config.replicas}")
+    caches = [make_cache(policy, config, cost_model) for _ in range(config.replicas)]
+    router = None
+    if config.replicas > 1:
+        router = make_router(config.router, config.replicas, workload.block_size, config.routing)
     outcome = Replay(
         workload,
-        cache,
+        caches,
         time_model,
         cost_model,
         sessions=config.sessions,
         order=config.scheduler,
         chunk_size=config.chunk_size,
+        router=router,
         progress=progress,
     ).run()
-    cache.check_invariants()
-    counters = getattr(cache, "counters", None)
+    for cache in caches:
+        cache.check_invariants()
+    cache = caches[0]
+    counters = [getattr(c, "counters", None) for c in caches]
+    tiers = None
+    if counters[0] is not None:
+        tiers = counters[0].as_dict() if len(caches) == 1 else _summed([c.as_dict() for c in counters])
+    stats = cache.stats if len(caches) == 1 else _summed_stats([c.stats for c in caches])
     bound = oracle_bound(workload, outcome, cache, cost_model) if cache.policy.name == ORACLE else None
-    return PolicyResult(policy, cache.policy.name, summarize(outcome.records), outcome, cache.stats,
-                        tiers=counters.as_dict() if counters is not None else None, bound=bound)
+    summary = summarize(outcome.records)
+    return PolicyResult(policy, cache.policy.name, summary, outcome, stats, tiers=tiers, bound=bound,
+                        fleet=fleet_summary(outcome, workload, config, summary))
+
+
+def _summed(dicts: list[dict]) -> dict:
+    """Numbers summed key by key (other values from the first)."""
+    total = dict(dicts[0])
+    for other in dicts[1:]:
+        for key, value in other.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] += value
+    return total
+
+
+def _summed_stats(stats: list[CacheStats]) -> CacheStats:
+    """One `CacheStats` of several caches: counters summed."""
+    values = _summed([dataclasses.asdict(s) for s in stats])
+    return CacheStats(**values)
 
 
 def compare_with_baseline(results: dict[str, PolicyResult]) -> None:

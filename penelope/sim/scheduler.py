@@ -6,6 +6,14 @@ behaviour:
   for them, ties by arrival) or `fcfs` (by send time). SGLang matches every waiting request
   each time it forms a prefill batch to sort by prefix length; so does this scheduler, and
   each match bumps the matched path's recency in the cache, as SGLang's does.
+- LPM only while the queue is short: with more than `LPM_QUEUE_MAX` (128) waiting requests,
+  SGLang 0.5.23 turns prefix matching and sorting off and serves the queue in its current order
+  (`SchedulePolicy._determine_active_policy`, `WAITING_QUEUE_PREFIX_MATCH_MAX = 128` in
+  `sglang/srt/managers/schedule_policy.py`): the order of the last sort, newer arrivals behind.
+  So does this scheduler, which keeps its cost per prefill batch bounded however long the queue
+  grows (an overloaded server). Not modelled: SGLang's every-32nd-pass recency refresh of the
+  first 128 waiting requests' prefixes in that mode (`_touch_waiting_prefixes`), and its
+  in-batch prefix deprioritisation.
 - Admission: a request is admitted when the KV it will write fits: slots for every token it
   computes (phantom holes + new tokens) and for its whole reply, all allocated up front through
   `KVCache.alloc`, which evicts as needed (never from a locked path). Its matched path is locked
@@ -25,6 +33,7 @@ KV could never be matched. Input KV is inserted at finish (SGLang's `cache_finis
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +44,8 @@ from penelope.tree import BlockState
 
 ORDERS = ("lpm", "fcfs")
 DEFAULT_CHUNK_SIZE = 8192
+# SGLang 0.5.23's WAITING_QUEUE_PREFIX_MATCH_MAX: beyond this many waiting requests LPM is off.
+LPM_QUEUE_MAX = 128
 
 
 @dataclass(eq=False)
@@ -47,7 +58,8 @@ class Job:
     (phantom holes, all before `compute_from`, then the new tokens from `compute_from`),
     `reused` tokens found resident, `recomputed` spans the cache had held before, `phantom`
     hole tokens refilled, `loaded` tokens loaded from a CPU tier. `number` is the session's
-    position in the workload. Times in seconds of simulated time."""
+    position in the workload. Times in seconds of simulated time (`admit_time`: when the batch
+    holding its first chunk started)."""
 
     session: str
     index: int
@@ -66,6 +78,7 @@ class Job:
     phantom: int = 0
     loaded: int = 0
     swap_loads: int = 0
+    admit_time: float | None = None
     first_token_time: float | None = None
     generated: int = 0
 
@@ -108,16 +121,23 @@ class Scheduler:
 
     cache: a `penelope.cache.KVCache` (or anything with the same match/lock/alloc/insert/
         unlock/free methods and sizes); order: `"lpm"` or `"fcfs"`; chunk_size: tokens per
-        prefill batch."""
+        prefill batch; lpm_queue_max: the longest queue LPM sorts (longer: served in queue order).
 
-    def __init__(self, cache, order: str = "lpm", chunk_size: int = DEFAULT_CHUNK_SIZE):
+    `waiting` is the queue in the order it was last served: arrival order for FCFS, the last LPM
+    sort followed by later arrivals for LPM. Admitted requests always leave from its front."""
+
+    def __init__(self, cache, order: str = "lpm", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 lpm_queue_max: int = LPM_QUEUE_MAX):
         if order not in ORDERS:
             raise UsageError(f"unknown scheduler {order!r}; choose from {', '.join(ORDERS)}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise UsageError(f"chunk size must be a positive number of tokens, got {chunk_size!r}")
+        if isinstance(lpm_queue_max, bool) or not isinstance(lpm_queue_max, int) or lpm_queue_max < 1:
+            raise UsageError(f"the LPM queue limit must be a positive number of requests, got {lpm_queue_max!r}")
         self.cache = cache
         self.order = order
         self.chunk_size = chunk_size
+        self.lpm_queue_max = lpm_queue_max
         self.waiting: list[Job] = []
         # The request whose prompt was cut by the last prefill batch; it continues first.
         self.chunked: Job | None = None
@@ -134,7 +154,11 @@ class Scheduler:
             raise UsageError(f"{job.request.source}: a request needs at least one input token")
         job.seq = self._seq
         self._seq += 1
-        self.waiting.append(job)
+        if self.order == "fcfs" and self.waiting and self.waiting[-1].send_time > job.send_time:
+            # Sent earlier than a request already queued (never in a replay): keep send-time order.
+            bisect.insort(self.waiting, job, key=lambda queued: (queued.send_time, queued.seq))
+        else:
+            self.waiting.append(job)
 
     def has_work(self) -> bool:
         """True while a request waits or a cut prompt has chunks left."""
@@ -154,19 +178,28 @@ class Scheduler:
                 return chunks
         if budget <= 0 or not self.waiting:
             return chunks
-        for job in self._ordered():
+        self._sort()
+        admitted = 0
+        for job in self.waiting:
             if budget <= 0:
                 break
             loaded = self._admit(job)
             if loaded is None:
                 break
-            self.waiting.remove(job)
+            admitted += 1
             chunk = self._take(job, budget, loaded)
             chunks.append(chunk)
             budget -= chunk.tokens
             if not chunk.last:
                 break
+        # Admission stops at the first request that does not fit: the admitted ones are a prefix.
+        del self.waiting[:admitted]
         return chunks
+
+    @property
+    def lpm_active(self) -> bool:
+        """Whether the next prefill batch sorts the queue by prefix match (LPM and a short queue)."""
+        return self.order == "lpm" and len(self.waiting) <= self.lpm_queue_max
 
     def release(self, job: Job) -> None:
         """A finished request: insert its prompt's KV, free its reply's slots, unlock its path."""
@@ -177,12 +210,18 @@ class Scheduler:
         job.handle = None
         job.tokens = job.slots = job.out_slots = None
 
-    def _ordered(self) -> list[Job]:
-        if self.order == "fcfs":
-            return sorted(self.waiting, key=lambda job: (job.send_time, job.seq))
+    def _sort(self) -> None:
+        """Order the queue for the next prefill batch. FCFS: requests are submitted in send-time
+        order (`submit` keeps it so), so the queue already is in (send time, arrival) order. LPM on a short queue: by
+        resident prefix, ties by (send time, arrival), matching every request (in arrival order);
+        on a long queue the order stays as it is (SGLang's fallback)."""
+        if not self.lpm_active:
+            return
         # Longest resident match first; SGLang sorts by the length of the matched device prefix.
-        resident = {id(job): self.cache.match(job.tokens[:-1]).hit_tokens for job in self.waiting}
-        return sorted(self.waiting, key=lambda job: (-resident[id(job)], job.send_time, job.seq))
+        # Each match bumps its path's recency: match in arrival order, whatever the queue's order.
+        arrived = sorted(self.waiting, key=lambda job: job.seq)
+        resident = {id(job): self.cache.match(job.tokens[:-1]).hit_tokens for job in arrived}
+        self.waiting.sort(key=lambda job: (-resident[id(job)], job.send_time, job.seq))
 
     def _admit(self, job: Job) -> int | None:
         """Match, lock and allocate for `job`; the tokens to load from CPU, or None if it does not fit."""
