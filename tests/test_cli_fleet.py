@@ -114,8 +114,8 @@ def test_analyze_says_how_many_replicas_the_trace_needs(traces, tmp_path, capsys
     (["simulate", "--replicas", "2", "--router", "random"], "unknown router 'random'; choose from round-robin"),
     (["simulate", "--replicas", "0"], "--replicas must be a positive integer"),
     (["simulate", "--time-scale", "0"], "--time-scale must be a positive number"),
-    (["simulate", "--cache-threshold", "2"], "--cache-threshold must be in [0, 1]"),
-    (["simulate", "--balance-rel-threshold", "0.5"], "--balance-rel-threshold must be at least 1"),
+    (["simulate", "--replicas", "2", "--cache-threshold", "2"], "--cache-threshold must be in [0, 1]"),
+    (["simulate", "--replicas", "2", "--balance-rel-threshold", "0.5"], "--balance-rel-threshold must be at least 1"),
     (["simulate", "--router", ","], "--router: empty list"),
     (["simulate", "--replicas", "2", "--policies", "all"], "the oracle policy and its lower bound need one server"),
     (["analyze", "--format", "synthetic", "--router", "round-robin,session"], "--router: give one router here"),
@@ -160,3 +160,32 @@ def test_analyze_checks_the_memory_of_the_replicas_it_chooses(traces, monkeypatc
     assert main(["analyze", str(traces["heavy"]), "--gpu-cache", "128K", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "in a cache of 128K tokens on each of" in err and "more than the" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["simulate", "--router", "session"], "--router applies to --replicas N > 1"),
+    (["simulate", "--replicas", "2", "--router", "round-robin", "--cache-threshold", "0.9"],
+     "--cache-threshold applies to the cache-aware router"),
+    (["simulate", "--balance-abs-threshold", "3"], "--balance-abs-threshold applies to the cache-aware router"),
+    (["simulate", "--replicas", "2", "--time-scale", "1e-9"], "--time-scale must be in [0.0001, 10000], got 1e-09"),
+    (["simulate", "--time-scale", "1e308"], "--time-scale must be in [0.0001, 10000]"),
+    (["analyze", "--format", "synthetic", "--replicas", "0"], "--replicas must be at least 1, got 0"),
+])
+def test_options_the_replay_would_ignore_are_refused(args, message, capsys):
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("penelope: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_offered_load_leaves_out_requests_that_never_fit(tmp_path, capsys):
+    """Requests too long for the cache are skipped by the replay: the estimate says so and does
+    not count their work."""
+    path = tmp_path / "mixed.jsonl"
+    lines = [{"timestamp": 1000 * i, "input_length": 512 * 4, "output_length": 8,
+              "hash_ids": [10 * i + k for k in range(4)]} for i in range(5)]
+    lines += [{"timestamp": 1000 * i + 500, "input_length": 512 * 40, "output_length": 8,
+               "hash_ids": [1000 + 100 * i + k for k in range(40)]} for i in range(5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["analyze", str(path), "--gpu-cache", "8K", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "5 requests counted, 5 that can never fit the cache left out" in out

@@ -70,7 +70,10 @@ def run(args) -> int:
     args.cpu_cache = "0"
     check_outputs({"--json": args.json}, workload_inputs(args, args.path))
     chosen = args.replicas
+    if chosen is not None and chosen < 1:
+        raise UsageError(f"--replicas must be at least 1, got {chosen}")
     args.replicas = chosen or 1
+    args.replicas_chosen_later = chosen is None
     setup = prepare(args, sweep_routers=False)
     workload = setup["workload"]
     capacity = setup["capacities"][0]

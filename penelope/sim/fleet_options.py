@@ -29,23 +29,23 @@ def add_fleet_arguments(parser, sweep: bool = True, replicas_help: str = "defaul
     )
     names = " | ".join(router_names())
     parser.add_argument(
-        "--router", default="cache-aware",
+        "--router",
         help=f"with --replicas N > 1: {names}" + (", comma-separated to sweep, or 'all'" if sweep else "")
         + " (default cache-aware, SGLang router's default)",
     )
     parser.add_argument(
-        "--cache-threshold", type=float, default=CACHE_THRESHOLD,
+        "--cache-threshold", type=float,
         help=f"cache-aware router: matched fraction of a request above which its best match wins (default "
         f"{CACHE_THRESHOLD}, SGLang router's)",
     )
     parser.add_argument(
-        "--balance-abs-threshold", type=int, default=BALANCE_ABS_THRESHOLD,
+        "--balance-abs-threshold", type=int,
         help="cache-aware router: loads are imbalanced (the least loaded replica wins) when the largest exceeds "
         f"the smallest by more than this many requests and --balance-rel-threshold holds (default "
         f"{BALANCE_ABS_THRESHOLD})",
     )
     parser.add_argument(
-        "--balance-rel-threshold", type=float, default=BALANCE_REL_THRESHOLD,
+        "--balance-rel-threshold", type=float,
         help=f"cache-aware router: ... and the largest load exceeds the smallest times this (default "
         f"{BALANCE_REL_THRESHOLD})",
     )
@@ -62,9 +62,14 @@ def add_fleet_arguments(parser, sweep: bool = True, replicas_help: str = "defaul
     )
 
 
+THRESHOLDS = ("--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold")
+
+
 def routers_from_args(args, sweep: bool = True) -> list[str]:
-    """The routers named by --router (validated; duplicates removed; 'all' for every router)."""
-    items = [item.strip() for item in str(args.router).split(",") if item.strip()]
+    """The routers named by --router (validated; duplicates removed; 'all' for every router;
+    default cache-aware). A router or a threshold that the replay would not use is an error."""
+    given = args.router is not None
+    items = [item.strip() for item in str(args.router or "cache-aware").split(",") if item.strip()]
     if not items:
         raise UsageError("--router: empty list")
     names: list[str] = []
@@ -76,20 +81,37 @@ def routers_from_args(args, sweep: bool = True) -> list[str]:
         raise UsageError("--router: give one router here")
     if args.replicas is not None and args.replicas < 1:
         raise UsageError(f"--replicas must be a positive integer, got {args.replicas}")
+    # `analyze` without --replicas chooses the replica count after this check: any may come.
+    one_server = args.replicas == 1 and not getattr(args, "replicas_chosen_later", False)
+    if given and one_server:
+        raise UsageError("--router applies to --replicas N > 1 (one server needs no router)")
+    thresholds = [flag for flag in THRESHOLDS if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if thresholds and (one_server or "cache-aware" not in names):
+        raise UsageError(f"{thresholds[0]} applies to the cache-aware router with --replicas N > 1")
     return names
 
 
 def routing_from_args(args) -> RouterConfig:
+    def given(value, default):
+        return default if value is None else value
+
     return RouterConfig(
-        cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold,
+        cache_threshold=given(args.cache_threshold, CACHE_THRESHOLD),
+        balance_abs_threshold=given(args.balance_abs_threshold, BALANCE_ABS_THRESHOLD),
+        balance_rel_threshold=given(args.balance_rel_threshold, BALANCE_REL_THRESHOLD),
     )
 
 
+# Slowing a trace down or speeding it up more than this turns seconds into days or microseconds.
+TIME_SCALE_RANGE = (1e-4, 1e4)
+
+
 def check_time_scale(factor: float) -> float:
+    low, high = TIME_SCALE_RANGE
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise UsageError(f"--time-scale must be a positive number, got {factor!r}")
+    if not low <= factor <= high:
+        raise UsageError(f"--time-scale must be in [{low:g}, {high:g}], got {factor:g}")
     return float(factor)
 
 

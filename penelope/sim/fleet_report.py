@@ -26,6 +26,9 @@ def offered_load_lines(load, capacity: int, replicas: int) -> list[str]:
         f"  stays below saturation from {load.replicas_needed():,} replicas (80% utilization from "
         f"{load.replicas_needed(0.8):,})",
     ]
+    if load.skipped:
+        lines[0] += (f"; {load.requests:,} requests counted, {load.skipped:,} that can never fit the cache left out "
+                     "(the replay skips them)")
     if replicas > 1 or load.load >= 1:
         share = load.load / replicas
         note = ": SATURATED, expect a queue growing without bound" if share >= 1 else ""

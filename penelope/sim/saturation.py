@@ -53,7 +53,9 @@ class OfferedLoad:
     """Work a trace brings, in seconds of one server (see the module docstring).
 
     span: seconds from the first to the last arrival; prefill, decode: seconds of work in all;
-    batch: the decode batch assumed; reuse: fraction of input tokens an unbounded cache reuses."""
+    batch: the decode batch assumed; reuse: fraction of input tokens an unbounded cache reuses;
+    skipped: requests left out because they can never fit a server's cache (the replay skips
+    them too)."""
 
     requests: int
     span: float
@@ -61,6 +63,7 @@ class OfferedLoad:
     decode: float
     batch: int
     reuse: float
+    skipped: int = 0
 
     @property
     def load(self) -> float:
@@ -88,9 +91,11 @@ def offered_load(workload: Workload, time_model: TimeModel, cost_model: CostMode
     KV tokens; raises UsageError for a closed-loop workload (it has no offered rate)."""
     if workload.closed_loop:
         raise UsageError("a closed-loop workload has no offered load: its sessions wait for their replies")
-    requests = sorted((r for s in workload.sessions for r in s.requests), key=lambda r: r.arrival)
+    every = [r for s in workload.sessions for r in s.requests]
+    # Requests that can never fit a cache of `capacity` are skipped by the replay: no work.
+    requests = sorted((r for r in every if r.input_tokens + r.output_tokens <= capacity), key=lambda r: r.arrival)
     if not requests:
-        raise UsageError("the workload has no requests")
+        raise UsageError(f"no request of the workload fits a cache of {capacity:,} tokens")
     size = workload.block_size
     contexts = np.array([r.input_tokens + r.output_tokens for r in requests], dtype=np.float64)
     batch = max(1, int(capacity // max(1.0, float(contexts.mean()))))
@@ -114,7 +119,8 @@ def offered_load(workload: Workload, time_model: TimeModel, cost_model: CostMode
             decode += (request.output_tokens - 1) * step
     span = requests[-1].arrival - requests[0].arrival
     total = sum(r.input_tokens for r in requests)
-    return OfferedLoad(len(requests), span, prefill, decode, batch, reused_tokens / total if total else 0.0)
+    return OfferedLoad(len(requests), span, prefill, decode, batch, reused_tokens / total if total else 0.0,
+                       skipped=len(every) - len(requests))
 
 
 @dataclass(frozen=True)
