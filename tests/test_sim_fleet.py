@@ -229,3 +229,17 @@ def test_a_request_arriving_during_a_batch_is_hinted_after_the_batch_finishes():
     events = [event for event, _ in cache.log]
     assert events[:4] == ["arrived", "advance", "finished", "arrived"]
     assert cache.log[3] == ("arrived", 0.01) and cache.log[2][1] > 0.01
+
+
+def test_utilization_is_over_one_window_for_every_replica():
+    """A replica that served one short request is nearly idle over the trace, not 'busy 100% of
+    its own window'."""
+    from types import SimpleNamespace
+
+    from penelope.sim.saturation import measure
+
+    busy = SimpleNamespace(queue=[(0.0, 0), (90.0, 0)], last_finish=100.0, last_arrival=90.0, busy_time=80.0,
+                           max_waiting=1)
+    once = SimpleNamespace(queue=[(50.0, 0)], last_finish=51.0, last_arrival=50.0, busy_time=1.0, max_waiting=1)
+    saturation = measure([busy, once], [], True, 0.0, 90.0)
+    assert [round(s.utilization, 3) for s in saturation.servers] == [0.8, 0.01]

@@ -25,9 +25,10 @@ reported saturated (its queue grew without bound). The floor keeps transients of
 apart: a burst queued behind the longest prompts (a 126K-token prefill takes about 13 s of an
 H100 under the time model's estimates) can keep requests waiting tens of seconds on a stable
 server. Also reported: `drain_time` (seconds from its last arrival to its last finish)
-and `utilization` (busy seconds over the seconds from its first arrival to its last finish; a
-server decoding even one request is busy, so this is near 1 under any steady traffic and does
-not tell saturation by itself), and the requests waiting when its last request arrived.
+and `utilization` (busy seconds over the seconds from the trace's first arrival to the
+fleet's last finish, one window for every replica; a server decoding even one request is busy,
+so this is near 1 under any steady traffic and does not tell saturation by itself), and the
+requests waiting when its last request arrived.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def offered_load(workload: Workload, time_model: TimeModel, cost_model: CostMode
 class ServerLoad:
     """One server after a replay. Times in s: `late_wait` the mean queueing time of its requests
     sent in the last `LATE_WINDOW` of the span; `drain_time` from its last arrival to its last
-    finish; `utilization` busy seconds over the seconds from its first arrival to its last finish;
+    finish; `utilization` busy seconds over the seconds from the trace's first arrival to the
+    fleet's last finish;
     `waiting_at_last_arrival`, `max_waiting`: requests in its queue."""
 
     replica: int
@@ -188,15 +190,18 @@ def measure(servers, records, open_loop: bool, first_arrival: float, last_arriva
         if record.send_time >= late and record.admit_time is not None:
             waits[record.replica].append(record.queue_time)
     loads = []
+    # One window for every replica (the trace's first arrival to the fleet's last finish), so a
+    # replica that served one request reads as idle, not as busy for its own short window.
+    fleet_end = max((c.last_finish for c in servers if c.queue), default=first_arrival)
+    window = fleet_end - first_arrival
     for replica, counters in enumerate(servers):
         if counters.queue:
             drain = max(0.0, counters.last_finish - counters.last_arrival)
-            active = counters.last_finish - counters.queue[0][0]
             waiting = counters.queue[-1][1]
         else:
-            drain = active = 0.0
+            drain = 0.0
             waiting = 0
-        utilization = counters.busy_time / active if active > 0 else 0.0
+        utilization = min(1.0, counters.busy_time / window) if window > 0 else 0.0
         late_wait = float(np.mean(waits[replica])) if waits[replica] else 0.0
         saturated = open_loop and span > 0 and late_wait > max(SATURATED_WAIT * span, MIN_SATURATED_WAIT)
         loads.append(ServerLoad(replica, late_wait, drain, utilization, waiting, counters.max_waiting, saturated))
