@@ -233,10 +233,10 @@ def test_ctrl_c_in_an_ensemble_keeps_the_finished_capacities(tmp_path, capsys, m
     assert len(payload["sweep"][0]["results"]["penelope"]["runs"]) == 2
 
 
-def test_sigint_to_a_parallel_ensemble_is_one_line_and_130(tmp_path):
-    """A real Ctrl-C: the terminal signals the command and its worker processes together."""
+def _ensemble_process(tmp_path):
+    """`simulate` running a parallel ensemble (about a minute of work on two cores), in a process
+    group of its own, returned once its workers run: a signal comes long before the end."""
     out = tmp_path / "sim.json"
-    # About a minute of work on two cores: the interrupt comes long before the end.
     command = [sys.executable, "-m", "penelope.cli", "simulate", "--limit-sessions", "6", "--gpu-cache", "64K,96K",
                "--repeat", "30", "--jobs", "2", "--no-progress", "--json", str(out)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -246,6 +246,12 @@ def test_sigint_to_a_parallel_ensemble_is_one_line_and_130(tmp_path):
         if text.startswith("ensemble:"):
             break
     time.sleep(2)
+    return process
+
+
+def test_sigint_to_a_parallel_ensemble_is_one_line_and_130(tmp_path):
+    """A real Ctrl-C: the terminal signals the command and its worker processes together."""
+    process = _ensemble_process(tmp_path)
     os.killpg(process.pid, signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
@@ -254,15 +260,7 @@ def test_sigint_to_a_parallel_ensemble_is_one_line_and_130(tmp_path):
 
 def test_sigterm_to_the_command_stops_it_and_its_workers(tmp_path):
     """`kill PID` (a service manager stopping the job): one line, exit 143, no worker left behind."""
-    out = tmp_path / "sim.json"
-    command = [sys.executable, "-m", "penelope.cli", "simulate", "--limit-sessions", "6", "--gpu-cache", "64K,96K",
-               "--repeat", "30", "--jobs", "2", "--no-progress", "--json", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    for text in iter(process.stdout.readline, ""):
-        if text.startswith("ensemble:"):
-            break
-    time.sleep(2)
+    process = _ensemble_process(tmp_path)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 143, err
@@ -277,19 +275,6 @@ def test_sigterm_to_the_command_stops_it_and_its_workers(tmp_path):
     else:
         os.killpg(process.pid, signal.SIGKILL)
         raise AssertionError("worker processes outlived the command")
-
-
-def _ensemble_process(tmp_path):
-    out = tmp_path / "sim.json"
-    command = [sys.executable, "-m", "penelope.cli", "simulate", "--limit-sessions", "6", "--gpu-cache", "64K,96K",
-               "--repeat", "30", "--jobs", "2", "--no-progress", "--json", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    for text in iter(process.stdout.readline, ""):
-        if text.startswith("ensemble:"):
-            break
-    time.sleep(2)
-    return process
 
 
 @pytest.mark.parametrize(("signals", "code", "line"), [
