@@ -189,3 +189,16 @@ def test_offered_load_leaves_out_requests_that_never_fit(tmp_path, capsys):
     assert main(["analyze", str(path), "--gpu-cache", "8K", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "5 requests counted, 5 that can never fit the cache left out" in out
+
+
+def test_analyze_explains_an_overload_estimate_the_replay_did_not_confirm(traces, tmp_path, capsys, monkeypatch):
+    """The estimate says one server is overloaded; with a saturation floor the replay's backlog
+    never reaches (a short trace), the verdict says why the two differ."""
+    from penelope.sim import saturation
+
+    monkeypatch.setattr(saturation, "MIN_SATURATED_WAIT", 1e9)
+    payload = run_json(tmp_path, "analyze", str(traces["heavy"]), "--gpu-cache", "128K", "--replicas", "1")
+    assert payload["estimate"]["sglang"]["fleet"]["saturation"]["saturated"] == []
+    text = capsys.readouterr().out
+    assert "saturation: none" in text and "the offered-load estimate says overloaded" in text
+    assert "SATURATED: the server" not in text and "sent to replica" not in text

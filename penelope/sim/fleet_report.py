@@ -14,6 +14,10 @@ def fleet_label(config) -> str:
     return f" x {config.replicas} replicas, {config.router} router"
 
 
+def _replicas(n: int) -> str:
+    return f"{n:,} replica{'s' if n != 1 else ''}"
+
+
 def offered_load_lines(load, capacity: int, replicas: int) -> list[str]:
     """What `penelope.sim.saturation.OfferedLoad` says about servers of `capacity` tokens."""
     if load.span <= 0:
@@ -23,7 +27,7 @@ def offered_load_lines(load, capacity: int, replicas: int) -> list[str]:
         f"({load.prefill:,.0f} s prefill + {load.decode:,.0f} s decode over {load.span:,.0f} s of trace; "
         f"a lower-bound estimate: prefix reuse of a cache that never evicts {load.reuse:.0%}, decode in full batches "
         f"of {load.batch})",
-        f"  stays below saturation from {load.replicas_needed():,} replicas (80% utilization from "
+        f"  stays below saturation from {_replicas(load.replicas_needed())} (80% utilization from "
         f"{load.replicas_needed(0.8):,})",
     ]
     if load.skipped:

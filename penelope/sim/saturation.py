@@ -160,11 +160,12 @@ class Saturation:
         if not self.saturated:
             return None
         worst = max(self.servers, key=lambda s: s.late_wait)
-        which = (f"{len(self.saturated)} of {len(self.servers)} replicas" if len(self.servers) > 1
-                 else "the server")
+        fleet = len(self.servers) > 1
+        which = f"{len(self.saturated)} of {len(self.servers)} replicas" if fleet else "the server"
+        sent = f"requests sent to replica {worst.replica}" if fleet else "requests sent"
         return (
-            f"SATURATED: {which} could not keep up (queue growing without bound): requests sent to replica "
-            f"{worst.replica} in the trace's last {LATE_WINDOW:.0%} waited {worst.late_wait:,.0f} s on average "
+            f"SATURATED: {which} could not keep up (queue growing without bound): {sent}"
+            f" in the trace's last {LATE_WINDOW:.0%} waited {worst.late_wait:,.0f} s on average "
             f"before their prefill ({worst.late_wait / self.span:.0%} of the trace's {self.span:,.0f} s), "
             f"{worst.waiting_at_last_arrival:,} requests waiting at its last arrival; figures measure the backlog, "
             "not the cache. Add replicas (--replicas), slow the trace down (--time-scale) or see `penelope analyze`"
