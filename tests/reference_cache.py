@@ -367,22 +367,15 @@ class ReferenceCache:
             leaf = min(leaves, key=lambda b: self.victim_key(b, leaves))
             want = need - len(freed) // self.bs
             dead = self.dead(leaf) if self.policy == "oracle" else []
-            if dead:
-                # The oracle deletes the blocks no request will reuse from the leaf's tail.
+            if dead or self.where == "leaf-tail":
+                # The oracle deletes the blocks no request will reuse from the leaf's tail; the
+                # tail rules delete the leaf's last resident blocks (all of them, node-wise).
                 blocks = self.node_of(leaf)
                 resident = self.resident(blocks)
-                k = min(want, len(dead))
-                cut = blocks.index(resident[-k])
-                for b in resident[-k:]:
-                    freed.extend(b.slots)
-                    freed_cost += self.block_cost(b.index * self.bs)
-                self.detach(blocks[cut])
-                self.prune(blocks[cut - 1] if cut else self.node_last(blocks[0].parent))
-                continue
-            if self.where == "leaf-tail":
-                blocks = self.node_of(leaf)
-                resident = self.resident(blocks)
-                k = len(resident) if self.how == "node" else min(want, len(resident))
+                if dead:
+                    k = min(want, len(dead))
+                else:
+                    k = len(resident) if self.how == "node" else min(want, len(resident))
                 cut = blocks.index(resident[-k])
                 for b in resident[-k:]:
                     freed.extend(b.slots)

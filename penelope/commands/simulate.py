@@ -510,7 +510,7 @@ def plot_results(path: str, sweep: list, model: str) -> None:
     """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity); with an
     oracle, also the recompute cost with the oracle bracket shaded."""
     from penelope.outputs import save_figure
-    from penelope.plotting import pyplot
+    from penelope.plotting import pyplot, shade_oracle_bracket
     from penelope.sim.bracket import oracle_of
 
     plt = pyplot()
@@ -523,13 +523,8 @@ def plot_results(path: str, sweep: list, model: str) -> None:
         # Recompute cost per policy, the oracle bracket (lower bound to oracle) shaded.
         for name in sweep[0][1]:
             axes[2].plot(x, [results[name].summary.recompute_cost for _, results in sweep], "o-", label=name)
-        axes[2].fill_between(x, [o.bound for o in oracles], [o.summary.recompute_cost for o in oracles],
-                             color="grey", alpha=0.3, label="oracle bracket")
-        axes[2].set_xticks(x, labels)
-        axes[2].set_xlabel("GPU KV cache (tokens)")
-        axes[2].set_ylabel("recompute cost (attention-pair units)")
-        axes[2].grid(True, alpha=0.3)
-        axes[2].legend(fontsize=8)
+        shade_oracle_bracket(axes[2], x, [o.bound for o in oracles], [o.summary.recompute_cost for o in oracles],
+                             labels)
     for name in sweep[0][1]:
         left.plot(x, [results[name].summary.ttft_mean for _, results in sweep], "o-", label=name)
         right.plot(x, [100 * results[name].summary.hit_rate for _, results in sweep], "o-", label=name)

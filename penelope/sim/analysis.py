@@ -51,20 +51,26 @@ def shared_prefix(workload: Workload) -> dict[str, float]:
     }
 
 
-def unbounded_hit_rate(workload: Workload) -> dict[str, float]:
-    """Token hit rate with a cache that never evicts (see the module docstring)."""
-    size = workload.block_size
+def unbounded_reuse(requests: Iterable, block_size: int):
+    """(request, tokens a cache that never evicts holds for it) for `requests` in the order given:
+    the leading whole blocks some earlier request sent at the same positions."""
     seen: set[tuple[int, int]] = set()
-    hit = total = 0
-    for request in _send_order(workload):
+    for request in requests:
         keys = request.keys.tolist()
         # Only whole blocks are cached; the last key may cover a partial block (Mooncake).
-        whole = min(len(keys), request.input_tokens // size)
+        whole = min(len(keys), request.input_tokens // block_size)
         run = 0
         while run < whole and (run, keys[run]) in seen:
             run += 1
         seen.update(zip(range(run, whole), keys[run:whole], strict=True))
-        hit += run * size
+        yield request, run * block_size
+
+
+def unbounded_hit_rate(workload: Workload) -> dict[str, float]:
+    """Token hit rate with a cache that never evicts (see the module docstring)."""
+    hit = total = 0
+    for request, reused in unbounded_reuse(_send_order(workload), workload.block_size):
+        hit += reused
         total += request.input_tokens
     return {"hit_rate": hit / total if total else float("nan"), "hit_tokens": hit, "input_tokens": total}
 

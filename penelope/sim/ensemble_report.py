@@ -133,7 +133,7 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
     hit rate, each with its interval as error bars; with an oracle, also the recompute cost with
     the oracle bracket (lower bound to oracle) shaded."""
     from penelope.outputs import save_figure
-    from penelope.plotting import pyplot
+    from penelope.plotting import pyplot, shade_oracle_bracket
 
     plt = pyplot()
     oracle = sweep[0][1].has_oracle
@@ -159,14 +159,8 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
         for offset, name in enumerate(policies):
             bars(axes[3], offset, name, [e.estimate(name, "recompute_cost") for _, e in sweep], 1.0)
         oracle_name = next(n for n, r in sweep[0][1].runs[0].items() if r.bound is not None)
-        axes[3].fill_between(x, [e.bound().mean for _, e in sweep],
-                             [e.estimate(oracle_name, "recompute_cost").mean for _, e in sweep],
-                             color="grey", alpha=0.3, label="oracle bracket")
-        axes[3].set_xticks(x, labels)
-        axes[3].set_xlabel("GPU KV cache (tokens)")
-        axes[3].set_ylabel("recompute cost (attention-pair units)")
-        axes[3].grid(True, alpha=0.3)
-        axes[3].legend(fontsize=8)
+        shade_oracle_bracket(axes[3], x, [e.bound().mean for _, e in sweep],
+                             [e.estimate(oracle_name, "recompute_cost").mean for _, e in sweep], labels)
     repeat = sweep[0][1].repeat
     for axis, label in ((left, "mean TTFT (s)"), (middle, "mean TTFT change vs sglang (%), paired"),
                         (right, "hit rate (%)")):

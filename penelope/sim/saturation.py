@@ -41,6 +41,7 @@ import numpy as np
 
 from penelope.costmodel import CostModel
 from penelope.errors import UsageError
+from penelope.sim.analysis import unbounded_reuse
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads import Workload
 
@@ -97,20 +98,11 @@ def offered_load(workload: Workload, time_model: TimeModel, cost_model: CostMode
     requests = sorted((r for r in every if r.input_tokens + r.output_tokens <= capacity), key=lambda r: r.arrival)
     if not requests:
         raise UsageError(f"no request of the workload fits a cache of {capacity:,} tokens")
-    size = workload.block_size
     contexts = np.array([r.input_tokens + r.output_tokens for r in requests], dtype=np.float64)
     batch = max(1, int(capacity // max(1.0, float(contexts.mean()))))
-    seen: set[tuple[int, int]] = set()
     prefill = decode = 0.0
     reused_tokens = 0
-    for request in requests:
-        keys = request.keys.tolist()
-        whole = min(len(keys), request.input_tokens // size)
-        run = 0
-        while run < whole and (run, keys[run]) in seen:
-            run += 1
-        seen.update(zip(range(run, whole), keys[run:whole], strict=True))
-        reused = run * size
+    for request, reused in unbounded_reuse(requests, workload.block_size):
         reused_tokens += reused
         n = request.input_tokens
         prefill += time_model.prefill_time(n - reused, cost_model.attention_pairs(reused, n))
