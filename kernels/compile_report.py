@@ -244,7 +244,7 @@ def _launch(entry: Entry):
     import torch
 
     from .kv_swap import kernel as swap
-    from .ragged_attention import configs, kernel, store
+    from .ragged_attention import configs, kernel, slot_check, store
 
     num_q_heads, num_kv_heads, head_dim = SHAPES[entry.shape]
     dtype = _dtype(entry.dtype)
@@ -267,8 +267,8 @@ def _launch(entry: Entry):
         label = f"{entry.dtype} g{group} d{head_dim} {blocks.label}" + (" lse" if entry.return_lse else "")
         return kernel._ragged_prefill_fwd_kernel, args, kwargs, label
     if entry.kernel == "check_slots":
-        _, args, kwargs = kernel.check_slots_launch(req_to_token, ints[:6].view(2, 3), ints[:1], 1 << 20, 1)
-        return kernel._check_slots_kernel, args, kwargs, f"block {kernel.CHECK_BLOCK}"
+        _, args, kwargs = slot_check.check_slots_launch(req_to_token, ints[:6].view(2, 3), ints[:1], 1 << 20, 1)
+        return slot_check._check_slots_kernel, args, kwargs, f"block {slot_check.CHECK_BLOCK}"
     if entry.kernel == "store_kv":
         kv = torch.empty((1, num_kv_heads, head_dim), dtype=dtype)
         _, args, kwargs = store.store_launch(k_buffer, k_buffer, torch.zeros(1, dtype=torch.int64), kv, kv)
@@ -324,9 +324,9 @@ def compile_entry(entry: Entry) -> Figures:
     """Compile ``entry`` and measure it (registers, spills, shared memory, MMAs, loops)."""
     from triton import knobs
 
-    from .ragged_attention.kernel import _is_interpreted, _ragged_prefill_fwd_kernel
+    from .ragged_attention.kernel import is_interpreted
 
-    if _is_interpreted(_ragged_prefill_fwd_kernel):
+    if is_interpreted():
         raise RuntimeError("the compile report needs compiled kernels: unset TRITON_INTERPRET")
     target = TARGETS[entry.target]
     fn, args, kwargs, label = _launch(entry)

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from penelope.cache import KVCache
+from penelope.cache.manager import KVCache
 
 BLOCK = 64
 CAPACITY = 256 * 1024

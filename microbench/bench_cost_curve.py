@@ -9,7 +9,7 @@ tokens arrive. The next request is timed both ways:
 - tail: one segment, the recomputed tail and the new tokens ``[0.7n, n + 512)``.
 
 Both compute the same number of tokens; only their positions differ, so the tail pays more
-attention. ``penelope.costmodel.predict_speedup`` predicts the ratio tail / front from the model
+attention. ``penelope.costmodel.cost.predict_speedup`` predicts the ratio tail / front from the model
 shape that actually ran; each result reports both times, the measured and predicted speedups and
 their relative error. The paper measured 1.14x at 8K and 2.93x at 128K (Qwen3-8B, H100), with the
 model within 4%.
@@ -29,14 +29,14 @@ that its per-token linear cost shrinks by the same factor: hidden 256, 2 layers,
 ``c_lin / context`` is the GPU experiment's at every context (2.875 at the first, 0.18 at the
 last), the relative eviction is the same, and the cost model predicts the same curve to three
 digits. The history is really prefilled through the model (its time enters the calibration fit).
-Attention runs through ``tiled_sdpa_attention`` below, torch's fused CPU attention over
-position-aligned query tiles of 128 (the Triton kernel is far too slow interpreted, and the
-reference ``naive`` path gathers keys per query chunk and computes whole rectangles, which would
-measure its own overheads rather than attention). One thread, timed by its CPU time
-(``time.thread_time``): this machine's 2 cores are shared with other jobs, a descheduled second
-worker would stall every parallel region, and wall time would count the time the scheduler gives
-to others; on an idle machine the two clocks agree. Times are the minimum of 7 rounds. Runs in
-well under a minute.
+Attention runs through ``penelope.engine.attention.tiled_sdpa_attention``, torch's fused CPU
+attention over position-aligned query tiles of 128 (the Triton kernel is far too slow interpreted,
+and the torch references pad tiles or compute whole rectangles, which would measure their own
+overheads rather than attention). One thread, timed by its CPU time (``time.thread_time``, see
+``timing.py``): this machine's 2 cores are shared with other jobs, a descheduled second worker
+would stall every parallel region, and wall time would count the time the scheduler gives to
+others; on an idle machine the two clocks agree. Times are the minimum of 7 rounds. Runs in well
+under a minute.
 
 Outputs (in ``--bench-out``, default ``results/<cpu|gpu>``): ``cost_curve_<kind>.json`` (the
 table, with one batch-1 decode step per context for reference), ``cost_curve_<kind>.png``
@@ -44,9 +44,9 @@ table, with one batch-1 decode step per context for reference), ``cost_curve_<ki
 simulator (``penelope.sim.timemodel.TimeModel.from_json``): ``sec_per_linear_unit``,
 ``sec_per_attention_pair`` and ``batch_overhead`` (per prefill batch) fitted to every timed batch
 (``time = overhead + s_lin * c_lin * tokens + s_pair * pairs``, non-negative least squares on
-relative errors), and ``model``/``gpu``/``source``, merged into what the file holds
-(``write_calibration``). The decode constants come from ``bench_decode.py``, which fits its own
-overhead and bandwidth over batch sizes and contexts.
+relative errors: ``penelope.sim.calibration.fit_calibration``), and ``model``/``gpu``/``source``,
+merged into what the file holds (``write_calibration``). The decode constants come from
+``bench_decode.py``, which fits its own overhead and bandwidth over batch sizes and contexts.
 
 Run: ``python -m pytest microbench/bench_cost_curve.py --benchmark-json out.json -s``.
 """
@@ -62,20 +62,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from timing import elapsed
 
-from penelope.costmodel import CostModel, predict_speedup
-from penelope.engine.attention import AttentionBackend, torch_store_kv
-from penelope.engine.config import EngineModelConfig
+from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.hf_configs import BUILTIN_CONFIGS
+from penelope.costmodel.shapes import ModelShape, shape_from_config
+from penelope.engine.attention import AttentionBackend, tiled_sdpa_attention, torch_store_kv
+from penelope.engine.decoder import EngineBatch, Qwen3Decoder
+from penelope.engine.decoder_config import EngineModelConfig
 from penelope.engine.kvpool import KVPool
-from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.engine.weights import expected_shapes, from_state_dict, random_weights
-from penelope.model_configs import BUILTIN_CONFIGS
-from penelope.models import ModelShape, shape_from_config
+from penelope.sim.calibration import fit_calibration
 from penelope.sim.timemodel import write_calibration
+from penelope.tables import format_table
 
 GPU_CONTEXTS = tuple(k * 1024 for k in (8, 16, 32, 64, 128))
 EVICT_FRAC = 0.3
@@ -83,50 +84,6 @@ GPU_EVICT_START = 2048
 GPU_APPEND = 512
 PAPER_SPEEDUP = {8 * 1024: 1.14, 128 * 1024: 2.93}
 CPU_SCALE = 16
-CPU_TILE = 128
-
-
-def tiled_sdpa_attention(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None, tile: int = CPU_TILE):
-    """Ragged prefill attention with torch's fused attention, one call per query tile.
-
-    Same contract as ``penelope.kernels.ragged_attention.ragged_prefill_attention``: ``q``
-    ``[T, Hq, D]``; ``k_buffer``, ``v_buffer`` ``[S, Hkv, D]``; ``req_to_token`` int32
-    ``[R, max_len]``; ``segments`` int ``[N, 4]`` rows ``(req_row, q_start, pos_start, length)``;
-    returns ``o`` ``[T, Hq, D]``, the query at position p attending to positions 0..p of its row.
-
-    Query tiles are aligned to absolute positions (multiples of ``tile``) like the kernel's, and a
-    tile at positions ``[first, last)`` reads only keys ``[0, last)``: the work is the causal
-    triangle plus at most one tile of masked keys per query. The q heads of a kv head are stacked
-    into the rows of one call, so K/V are shared by the group without being copied.
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_buffer.shape[1]
-    group = num_q_heads // num_kv_heads
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    out = torch.empty_like(q)
-    for req_row, q_start, pos_start, length in torch.as_tensor(segments).tolist():
-        if length == 0:
-            continue
-        end = pos_start + length
-        slots = req_to_token[req_row, :end].long()
-        keys = k_buffer.index_select(0, slots).transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, end, D]
-        values = v_buffer.index_select(0, slots).transpose(0, 1).contiguous().unsqueeze(0)
-        for tile_start in range(pos_start - pos_start % tile, end, tile):
-            first, last = max(tile_start, pos_start), min(tile_start + tile, end)
-            rows = last - first
-            row0 = q_start + first - pos_start
-            # [rows, Hq, D] -> [1, Hkv, group * rows, D]: row g * rows + i is q head (kv, g) at first + i.
-            queries = q[row0 : row0 + rows].reshape(rows, num_kv_heads, group, head_dim)
-            queries = queries.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * rows, head_dim)
-            q_pos = torch.arange(first, last, device=q.device).repeat(group)
-            mask = torch.arange(last, device=q.device)[None, :] <= q_pos[:, None]  # [group * rows, last]
-            tile_out = F.scaled_dot_product_attention(
-                queries, keys[:, :, :last], values[:, :, :last], attn_mask=mask, scale=scale
-            )
-            tile_out = tile_out.reshape(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
-            out[row0 : row0 + rows] = tile_out.reshape(rows, num_q_heads, head_dim)
-    return out
-
 
 TILED_SDPA = AttentionBackend("tiled-sdpa", torch_store_kv, tiled_sdpa_attention)
 
@@ -238,22 +195,6 @@ def next_requests(tokens: torch.Tensor, context: int, evicted: int, evict_start:
     return front, tail
 
 
-def _elapsed(fn, device: torch.device, clock: str = "wall") -> float:
-    """Seconds of one call: CUDA events on a GPU; on CPU the wall clock, or with ``clock="thread"``
-    the CPU time of the calling thread (all of the work when torch runs on one thread)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    timer = time.thread_time if clock == "thread" else time.perf_counter
-    begin = timer()
-    fn()
-    return timer() - begin
-
-
 def _pick(times: list[float], timing: str) -> float:
     return min(times) if timing == "min" else statistics.median(times)
 
@@ -322,8 +263,8 @@ class CurveRun:
         if setup.fill == "prefill":
             history = EngineBatch.build(self.tokens[:context], table, [[0, 0, 0, context]])
             self._sync()
-            prefill_seconds = _elapsed(lambda: model.forward(history, pool, logits_rows=[context - 1]), device,
-                                       setup.clock)
+            prefill_seconds = elapsed(lambda: model.forward(history, pool, logits_rows=[context - 1]), device,
+                                      setup.clock)
         front, tail = next_requests(self.tokens, context, evicted, setup.evict_start, setup.append)
         logits = {}
         times: dict[str, list[float]] = {"front": [], "tail": []}
@@ -332,7 +273,7 @@ class CurveRun:
             def call():
                 logits[name] = model.forward(batch, pool, logits_rows=[batch.num_tokens - 1])
 
-            times[name].append(_elapsed(call, device, setup.clock))
+            times[name].append(elapsed(call, device, setup.clock))
 
         def one_round():
             run("front", front)
@@ -350,7 +291,7 @@ class CurveRun:
         logit_diff = float((logits["front"].float() - logits["tail"].float()).abs().max())
 
         decode = EngineBatch.build(self.tokens[context : context + 1], table, [[0, 0, context, 1]])
-        decode_times = [_elapsed(lambda: model.forward(decode, pool, logits_rows=[0]), device, setup.clock)
+        decode_times = [elapsed(lambda: model.forward(decode, pool, logits_rows=[0]), device, setup.clock)
                         for _ in range(setup.decode_rounds + 1)][1:]
 
         front_s, tail_s = _pick(front_times, setup.timing), _pick(tail_times, setup.timing)
@@ -441,8 +382,7 @@ class CurveRun:
         kind = self.setup.kind
         (folder / f"cost_curve_{kind}.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_calibration(folder / f"calibration_{kind}.json", summary["calibration"])
-        table = format_table(summary)
-        (folder / f"cost_curve_{kind}.txt").write_text(table + "\n")
+        (folder / f"cost_curve_{kind}.txt").write_text(curve_table(summary) + "\n")
         plot_curve(summary, folder / f"cost_curve_{kind}.png")
         return summary
 
@@ -454,64 +394,20 @@ def _gpu_kind(device: torch.device) -> str | None:
     return next((kind for kind in ("h100", "h200") if kind in name), None)
 
 
-def _nnls_fit(features: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative coefficients, by trying every subset of features (3 here)."""
-    best, best_err = np.zeros(features.shape[1]), float(np.sum(target**2))
-    for size in range(1, features.shape[1] + 1):
-        for subset in itertools.combinations(range(features.shape[1]), size):
-            coef, *_ = np.linalg.lstsq(features[:, subset], target, rcond=None)
-            if np.any(coef < 0):
-                continue
-            err = float(np.sum((features[:, subset] @ coef - target) ** 2))
-            if err < best_err:
-                best_err = err
-                best = np.zeros(features.shape[1])
-                best[list(subset)] = coef
-    return best
-
-
-def fit_calibration(points, model: str, gpu: str | None, source: str) -> dict:
-    """Fit the time model's prefill constants to measured batches.
-
-    points: ``(linear_units, attention_pairs, seconds)`` per timed prefill batch, units as in
-    ``penelope.costmodel`` (``linear_units = c_lin * tokens``): ``seconds = batch_overhead +
-    sec_per_linear_unit * linear_units + sec_per_attention_pair * pairs`` with non-negative
-    constants, each point weighed by 1 / seconds (relative errors). Constants the data cannot
-    determine (a zero fit) are left out, so the simulator keeps its estimate for them.
-    """
-    result: dict = {"model": model}
-    if gpu is not None:
-        result["gpu"] = gpu
-    result["source"] = source
-    if len(points) >= 3:
-        data = np.asarray(points, dtype=np.float64)
-        weight = 1.0 / data[:, 2]
-        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * weight[:, None]
-        overhead, per_linear, per_pair = _nnls_fit(features, data[:, 2] * weight)
-        if per_linear > 0:
-            result["sec_per_linear_unit"] = float(per_linear)
-        if per_pair > 0:
-            result["sec_per_attention_pair"] = float(per_pair)
-        result["batch_overhead"] = float(overhead)
-    return result
-
-
-def format_table(summary: dict) -> str:
-    """The cost-curve table as text: one line per context."""
-    scale = summary["scale"]
+def curve_table(summary: dict) -> str:
+    """The cost-curve table as text: a title, one line per context, the largest error."""
+    headers = ("context", "(GPU)", "front s", "tail s", "measured", "model", "error", "paper")
+    rows = [
+        (row["context"], f"{row['gpu_context'] // 1024}K", f"{row['front_seconds']:.4f}",
+         f"{row['tail_seconds']:.4f}", f"{row['measured_speedup']:.3f}x", f"{row['predicted_speedup']:.3f}x",
+         f"{row['relative_error']:+.1%}", f"{row['paper_speedup']:.2f}" if row["paper_speedup"] else "-")
+        for row in summary["rows"]
+    ]
     lines = [
         f"cost curve ({summary['kind']}: {summary['model']['name']}, {summary['dtype']}, "
-        f"c_lin {summary['c_lin']:,.0f}, positions / {scale}, attention {summary['attention']})",
-        f"{'context':>8} {'(GPU)':>6} {'front s':>10} {'tail s':>10} {'measured':>9} {'model':>7} {'error':>7} "
-        f"{'paper':>6}",
+        f"c_lin {summary['c_lin']:,.0f}, positions / {summary['scale']}, attention {summary['attention']})",
+        format_table(headers, rows),
     ]
-    for row in summary["rows"]:
-        paper = f"{row['paper_speedup']:.2f}" if row["paper_speedup"] else "-"
-        lines.append(
-            f"{row['context']:>8} {row['gpu_context'] // 1024:>5}K {row['front_seconds']:>10.4f} "
-            f"{row['tail_seconds']:>10.4f} {row['measured_speedup']:>8.3f}x {row['predicted_speedup']:>6.3f}x "
-            f"{row['relative_error']:>+7.1%} {paper:>6}"
-        )
     if summary["rows"]:
         lines.append(f"max |error| {summary['max_abs_relative_error']:.1%}; speedup grows with context: "
                      f"{summary['speedup_grows_with_context']}")
@@ -550,32 +446,25 @@ def _context_id(n: int) -> str:
     return f"{n // 1024}K"
 
 
+# The figures of a row that each context's result records under the row's own names.
+RECORDED = ("context", "gpu_context", "evicted", "rounds", "front_seconds", "tail_seconds", "measured_speedup",
+            "predicted_speedup", "relative_error", "paper_speedup", "decode_seconds", "front_attention_pairs",
+            "tail_attention_pairs", "next_token_logit_diff")
+
+
 def _record(benchmark, run: CurveRun, row: dict) -> None:
     setup = run.setup
+    benchmark.extra_info.update({key: row[key] for key in RECORDED})
     benchmark.extra_info.update(
         shape=setup.config.name,
         dtype=str(setup.dtype).removeprefix("torch."),
         scale=setup.scale,
         c_lin=run.cost.c_lin,
-        context=row["context"],
-        gpu_context=row["gpu_context"],
-        evicted=row["evicted"],
         attention=setup.attention,
         timing=setup.timing,
         clock=setup.clock if run.device.type == "cpu" else "cuda-events",
-        rounds=row["rounds"],
         torch_threads=torch.get_num_threads(),
-        front_seconds=row["front_seconds"],
-        tail_seconds=row["tail_seconds"],
-        measured_speedup=row["measured_speedup"],
-        predicted_speedup=row["predicted_speedup"],
-        relative_error=row["relative_error"],
-        paper_speedup=row["paper_speedup"],
-        decode_seconds=row["decode_seconds"],
         query_tokens_exact=row["query_tokens"],
-        front_attention_pairs=row["front_attention_pairs"],
-        tail_attention_pairs=row["tail_attention_pairs"],
-        next_token_logit_diff=row["next_token_logit_diff"],
     )
 
 
@@ -602,7 +491,7 @@ def cpu_curve(bench_out):
         run = CurveRun(setup, "cpu")
         yield run
         if run.rows:
-            print("\n" + format_table(run.write(bench_out)))
+            print("\n" + curve_table(run.write(bench_out)))
     finally:
         torch.set_num_threads(threads)
 
@@ -612,7 +501,7 @@ def gpu_curve(bench_out):
     run = CurveRun(SETUPS["gpu"], "cuda")
     yield run
     if run.rows:
-        print("\n" + format_table(run.write(bench_out)))
+        print("\n" + curve_table(run.write(bench_out)))
     del run
     torch.cuda.empty_cache()
 

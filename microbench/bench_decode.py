@@ -16,7 +16,7 @@ curve wrote there, ``penelope.sim.timemodel.write_calibration``), which ``penelo
 
 What runs (GPU, ``test_gpu_decode_calibration``): Qwen3-8B's shape with random bf16 weights
 (``bench_cost_curve.device_random_weights``), the reference engine's layers
-(``penelope.engine.model.Qwen3Decoder``: norms, RoPE, projections, SwiGLU, LM head), one new token
+(``penelope.engine.decoder.Qwen3Decoder``: norms, RoPE, projections, SwiGLU, LM head), one new token
 per request written into a KV pool laid out as SGLang's (per layer ``[slots, kv_heads, head_dim]``),
 and decode attention by ``torch.nn.functional.scaled_dot_product_attention`` over the request's
 slots (a request's slots are consecutive: its pages in order), with the q heads of each kv head as
@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +53,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bench_cost_curve import _gpu_kind, _qwen3_8b_engine_config, device_random_weights
+from timing import time_calls
 
-from penelope.engine.config import EngineModelConfig
+from penelope.costmodel.shapes import ModelShape, shape_from_config
+from penelope.engine.decoder import Qwen3Decoder, rms_norm
+from penelope.engine.decoder_config import EngineModelConfig
 from penelope.engine.kvpool import KVPool
-from penelope.engine.model import Qwen3Decoder, rms_norm
-from penelope.models import ModelShape, shape_from_config
 from penelope.sim.timemodel import decode_weight_params, write_calibration
 from penelope.units import format_size
 
@@ -155,27 +155,6 @@ def runner(step: DecodeStep, graph: bool):
     except RuntimeError:
         torch.cuda.synchronize()
         return step, False
-
-
-def time_calls(fn, device: torch.device, rounds: int, warmup: int = 2) -> list[float]:
-    """Seconds of ``rounds`` calls of ``fn`` after ``warmup`` untimed ones: CUDA events on a GPU,
-    the wall clock on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return times
 
 
 def fit_decode(points, read: DecodeBytes) -> dict:

@@ -26,15 +26,15 @@ The pool holds random K/V for the resident history (its values do not change the
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import pytest
 import torch
+from timing import elapsed
 
-from penelope.engine.config import EngineModelConfig
+from penelope.engine.decoder import EngineBatch, Qwen3Decoder
+from penelope.engine.decoder_config import EngineModelConfig
 from penelope.engine.kvpool import KVPool
-from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.engine.weights import random_weights
 
 EVICT_FRAC = 0.3
@@ -108,16 +108,7 @@ class PhantomBatching:
 
     def time(self, fn) -> float:
         """Seconds of one call: CUDA events on a GPU, the thread's CPU time on CPU."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1000
-        began = time.thread_time()
-        fn()
-        return time.thread_time() - began
+        return elapsed(fn, self.device, clock="thread")
 
     def compare(self, rounds: int, pick) -> dict:
         """Interleaved rounds of both ways (after one warm-up each); `pick` reduces each's times."""

@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
+from timing import time_calls  # noqa: E402
 
 from penelope.kernels.kv_swap import copy_kv_slots, naive_copy_kv_slots, plan_exchange, run_exchange  # noqa: E402
 from penelope.kernels.kv_swap import kernel as kv_kernel  # noqa: E402
@@ -126,16 +127,9 @@ def test_cpu_copy(benchmark, provider):
 
 
 def _cuda_seconds(fn, repeats: int = 10) -> float:
-    """Median seconds of ``fn`` between CUDA events, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    """Median seconds of ``fn`` between CUDA events, after one warm-up (the upper median of an even
+    number of rounds)."""
+    times = time_calls(fn, torch.device("cuda"), repeats, warmup=1)
     return sorted(times)[len(times) // 2]
 
 

@@ -328,13 +328,14 @@ def test_gpu_warm_up_covers_the_first_batch(benchmark):
     """After ``warm_up_ragged_attention`` (what the SGLang backend calls when it is created), the
     first batch compiles nothing: the kernels' compile caches do not grow."""
     from penelope.kernels.ragged_attention import kernel as ragged_kernel
+    from penelope.kernels.ragged_attention import slot_check
 
     batch = _gpu_batch(8 * 1024, "front")
     device = batch["q"].device.index or 0
 
     def cached():
         return sum(len(fn.device_caches[device][0]) for fn in (ragged_kernel._ragged_prefill_fwd_kernel,
-                                                                ragged_kernel._check_slots_kernel)
+                                                                slot_check._check_slots_kernel)
                    if device in fn.device_caches)
 
     blocks = benchmark.pedantic(warm_up_ragged_attention, args=(batch["k_buffer"], batch["req_to_token"],

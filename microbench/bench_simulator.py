@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from penelope.costmodel import CostModel
-from penelope.models import get_model
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.sim.run import SimConfig, ablation_policies, default_gpu_cache, run_policies
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.weka import load_weka

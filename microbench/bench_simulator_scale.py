@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from penelope.cache import KVCache
-from penelope.costmodel import CostModel
-from penelope.models import get_model
+from penelope.cache.manager import KVCache
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.sim.ensemble import run_ensembles
 from penelope.sim.mooncake import load_mooncake
 from penelope.sim.mooncake_like import MooncakeLikeConfig, write_jsonl

@@ -3,7 +3,7 @@
 #   scripts/install.sh          the package and what its CLI needs (numpy, matplotlib)
 #   scripts/install.sh test     plus everything the tests need: torch 2.14.1 with its triton,
 #                               SGLang 0.5.23's CPU-importable modules (installed without its CUDA
-#                               dependencies, as DESIGN.md section 7 describes), pytest & co.
+#                               dependencies, as docs/design.md section 7 describes), pytest & co.
 # Re-running is cheap: a stamp file records what was installed for this pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."

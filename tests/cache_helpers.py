@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from penelope.cache import KVCache, MatchResult
+from penelope.cache.manager import KVCache, MatchResult
 
 
 def request_slots(match: MatchResult, n_tokens: int, new: np.ndarray) -> np.ndarray:

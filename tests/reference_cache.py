@@ -6,7 +6,7 @@ block that starts each node, because the node policies (SGLang's) evict whole no
 boundaries are part of the behaviour. A node is named by its LAST block, which stays the same
 when its front is split off.
 
-Rules (DESIGN.md section 3, written out per block):
+Rules (docs/design.md section 3, written out per block):
 - match/insert walk whole blocks through any state; when the walk stops inside a node, the node
   is split there; every block on the path gets the new clock value.
 - insert refills MISSING blocks on the path with the passed slots, keeps resident slots (other
@@ -18,7 +18,7 @@ Rules (DESIGN.md section 3, written out per block):
   policies free only what is needed and split the missing front off; node policies free whole
   nodes. Then prune: an unlocked childless node without resident KV is deleted, and so on up.
 
-Policies beyond the grid (`penelope.agent_policy`) change only WHICH leaf goes first (ttl and
+Policies beyond the grid (`penelope.cache.agent_policy`) change only WHICH leaf goes first (ttl and
 flop-recency evict like leaf-tail-node, penelope-agent and oracle like private-head-block; the
 oracle first deletes dead blocks from a leaf's tail). Their order is recomputed here from hints
 kept as plain token tuples, before every victim:

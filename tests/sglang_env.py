@@ -25,10 +25,10 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from penelope.cache.tree import BlockState
 from penelope.integration.sglang import hooks
 from penelope.integration.sglang.plugin import PenelopeOptions
 from penelope.integration.sglang.radix_cache import PenelopeRadixCache
-from penelope.tree import BlockState
 
 VOCAB = 50_000
 

@@ -9,10 +9,11 @@ from cache_helpers import request_slots, serve, shape
 from reference_cache import dump_real
 
 from penelope import memory
-from penelope.cache import KVCache, _as_int_array
+from penelope.cache.arguments import int_array
+from penelope.cache.manager import KVCache
+from penelope.cache.tiers import TwoTierCache
+from penelope.cache.tree import BlockState, PrefixHasher
 from penelope.errors import CacheFullError, InvariantError, UsageError
-from penelope.tiers import TwoTierCache
-from penelope.tree import BlockState, PrefixHasher
 
 BS = 4
 S = list(range(1000, 1008))
@@ -116,9 +117,9 @@ def test_insert_of_a_prefix_splits_the_node():
 
 def test_int64_arrays_are_used_without_a_copy():
     a = np.arange(100, dtype=np.int64)
-    assert _as_int_array(a, "tokens") is a
-    assert _as_int_array([1, 2], "tokens").dtype == np.int64
-    assert _as_int_array(np.arange(4, dtype=np.int32), "tokens").dtype == np.int64
+    assert int_array(a, "tokens") is a
+    assert int_array([1, 2], "tokens").dtype == np.int64
+    assert int_array(np.arange(4, dtype=np.int32), "tokens").dtype == np.int64
 
 
 def test_stats_count_hits_misses_and_recomputed_tokens_with_costs():
@@ -171,8 +172,8 @@ def test_stats_recognize_tokens_the_policy_deleted():
 
 
 def test_stats_with_the_real_cost_model():
-    from penelope.costmodel import CostModel
-    from penelope.models import get_model
+    from penelope.costmodel.cost import CostModel
+    from penelope.costmodel.shapes import get_model
 
     cm = CostModel(get_model("qwen3-8b"))
     cache = KVCache(256, block_size=BS, cost_model=cm)
@@ -337,7 +338,7 @@ def test_evict_zero_is_safe_and_evict_reports_slots():
     assert cache.evict(0).freed_tokens == 0
     result = cache.evict(8)
     assert result.freed_tokens == 8 and len(set(result.slots.tolist())) == 8
-    assert all(cache.allocator._owner[result.slots] == 0)
+    assert all(cache.allocator._tags[result.slots] == 0)
     cache.check_invariants()
 
 
@@ -348,7 +349,7 @@ def test_evict_zero_is_safe_and_evict_reports_slots():
     (lambda c, n: n.slots.__setitem__(0, n.slots[1]), "holds a slot twice"),
     (lambda c, n: setattr(n, "start", n.start + 4), "start"),
     (lambda c, n: c.tree.leaves.discard(n), "leaf set"),
-    (lambda c, n: c.allocator._owner.__setitem__(int(n.slots[0]), 0), "tagged free"),
+    (lambda c, n: c.allocator._tags.__setitem__(int(n.slots[0]), 0), "tagged free"),
 ])
 def test_check_invariants_detects_corruption(corrupt, message):
     cache = loaded_cache()

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from penelope import policy
-from penelope.cache import KVCache
+from penelope.cache import policy
+from penelope.cache.manager import KVCache
+from penelope.cache.policy import EvictionPolicy, LeafTailNode, PrivateHeadBlock, get_policy, policy_names, register
 from penelope.errors import UsageError
-from penelope.policy import EvictionPolicy, LeafTailNode, PrivateHeadBlock, get_policy, policy_names, register
 
 SIX = ["leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block",
        "private-head-node", "private-head-block"]

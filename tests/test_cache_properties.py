@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_cache import ReferenceCache, dump_real
 
-from penelope.cache import KVCache
-from penelope.costmodel import CostModel
+from penelope.cache.hints import Foresight, Hint
+from penelope.cache.manager import KVCache
+from penelope.cache.policy import get_policy, policy_names
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.errors import CacheFullError, UsageError
-from penelope.models import get_model
-from penelope.policy import get_policy, policy_names
-from penelope.waits import Foresight, Hint
 
 # Every cost of Qwen3-8B's model is an integer: sums agree whatever their order.
 COST = CostModel(get_model("qwen3-8b"))

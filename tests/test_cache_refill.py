@@ -1,98 +1,112 @@
-"""KVCache.refill: a locked path's holes made resident with new slots (what SGLang's phantoms do
-before their forward), against insert's result for the same slots."""
-from __future__ import annotations
-
-import numpy as np
+"""How a request with holes is admitted under a chunk budget and request rows (penelope.cache.refill),
+checked against a slow simulation of the chunks a scheduler would run."""
 import pytest
-from cache_helpers import serve
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from penelope.cache import KVCache
+from penelope.cache.refill import RefillPlan, next_chunk, plan_refill
 from penelope.errors import UsageError
 
-BS = 4
-S = list(range(1000, 1008))
+HOLES = [(128, 256), (384, 448)]  # resident [0,128), [256,384), [448,512); new tokens from 512
 
 
-def holed() -> tuple[KVCache, np.ndarray]:
-    """A cache whose history A lost positions [8, 12) (its front after the shared prefix)."""
-    cache = KVCache(256, block_size=BS)
-    a = np.asarray(S + list(range(100, 116)), dtype=np.int64)
-    serve(cache, a[:16])
-    serve(cache, a)
-    serve(cache, np.asarray(S + list(range(200, 208)), dtype=np.int64))
-    cache.evict(4)
-    assert cache.match(a).holes == [(8, 12)]
-    return cache, a
+def test_no_holes_changes_nothing():
+    assert plan_refill([], 512, 65, 128, 1, 64) == RefillPlan((), 512)
 
 
-def test_refill_makes_the_hole_resident_with_the_new_slots():
-    cache, a = holed()
-    handle = cache.lock(cache.match(a))
-    new = cache.alloc(4)
-    free = cache.free_size()
-    kept = cache.refill(handle, 8, new)
-    assert np.array_equal(kept, new)
-    match = cache.match(a)
-    assert match.holes == [] and np.array_equal(match.spans[0].slots[8:12], new)
-    assert cache.protected_size() == len(a) and cache.free_size() == free
-    cache.check_invariants()
-    cache.unlock(handle)
-    cache.check_invariants()
+def test_holes_ride_when_they_and_a_page_of_new_tokens_fit_and_rows_suffice():
+    plan = plan_refill(HOLES, 512, 65, 256, 3, 64)
+    assert plan.riders == tuple(HOLES) and plan.compute_from == 512 and not plan.hole_first
+    assert plan.rider_tokens == 192
+    # SGLang charges the request's own tokens in whole pages, one token included.
+    assert plan_refill(HOLES, 512, 1, 256, 3, 64).riders == tuple(HOLES)
+    assert plan_refill(HOLES, 512, 1, 255, 3, 64).hole_first
+    assert plan_refill(HOLES, 512, 1, 193, 3, 1).riders == tuple(HOLES)
 
 
-def test_refill_of_resident_blocks_keeps_the_trees_slots():
-    cache, a = holed()
-    handle = cache.lock(cache.match(a))
-    first = cache.alloc(4)
-    cache.refill(handle, 8, first)
-    again = cache.alloc(8)
-    kept = cache.refill(handle, 4, again)
-    tree = cache.match(a).spans[0].slots
-    assert np.array_equal(kept, tree[4:12])
-    assert not np.isin(again, kept).any()  # none taken: they are the caller's to free
-    cache.free(again)
-    cache.unlock(handle)
-    cache.check_invariants()
+@pytest.mark.parametrize(("budget", "rows"), [(255, 3), (10_000, 2), (10_000, 1)])
+def test_short_budget_or_rows_computes_the_holes_first(budget, rows):
+    plan = plan_refill(HOLES, 512, 65, budget, rows, 64)
+    assert plan.riders == () and plan.compute_from == 128 and plan.first_chunk_end == 256
+    assert plan.spans == ((128, 256, False), (256, 384, True), (384, 448, False), (448, 512, True))
 
 
-def test_refill_gives_the_tree_what_insert_would():
-    slots = {}
-    for how in ("insert", "refill"):
-        cache, a = holed()
-        match = cache.match(a)
-        handle = cache.lock(match)
-        new = cache.alloc(4)
-        if how == "insert":
-            row = np.concatenate([match.spans[0].slots, new, match.spans[2].slots])
-            cache.insert(a, row)
-        else:
-            cache.refill(handle, 8, new)
-        cache.unlock(handle)
-        cache.check_invariants()
-        slots[how] = (cache.match(a).spans[0].slots.tolist(), cache.free_size(), cache.evictable_size())
-    assert slots["insert"] == slots["refill"]
+def test_without_chunked_prefill_holes_without_a_row_are_dropped():
+    assert plan_refill(HOLES, 512, 65, None, 3, 64) == RefillPlan(tuple(HOLES), 512)
+    assert plan_refill(HOLES, 512, 65, None, 2, 64) == RefillPlan((HOLES[0],), 384)
+    assert plan_refill(HOLES, 512, 65, None, 1, 64) == RefillPlan((), 128)
 
 
-@pytest.mark.parametrize(("start", "n", "message"), [
-    (6, 4, "whole blocks"), (8, 3, "whole blocks"), (20, 8, "past the locked path"),
-])
-def test_bad_refills_change_nothing(start, n, message):
-    cache, a = holed()
-    handle = cache.lock(cache.match(a))
-    new = cache.alloc(n)
-    before = (cache.match(a).holes, cache.free_size(), cache.outstanding_size())
-    with pytest.raises(UsageError, match=message):
-        cache.refill(handle, start, new)
-    assert (cache.match(a).holes, cache.free_size(), cache.outstanding_size()) == before
-    cache.check_invariants()
+def test_next_chunk_jumps_resident_spans_and_stops_at_hole_ends():
+    plan = plan_refill(HOLES, 512, 65, 64, 3, 64)
+    assert next_chunk(plan, 128) == (128, 256)
+    assert next_chunk(plan, 192) == (192, 256)
+    assert next_chunk(plan, 256) == (384, 448)
+    assert next_chunk(plan, 448) == (512, None)
+    assert next_chunk(plan, 512) == (512, None)
 
 
-def test_refill_refuses_slots_it_holds_or_an_unlocked_handle():
-    cache, a = holed()
-    match = cache.match(a)
-    handle = cache.lock(match)
-    with pytest.raises(UsageError, match="held by the cache"):
-        cache.refill(handle, 8, match.spans[0].slots[:4])
-    cache.unlock(handle)
-    with pytest.raises(UsageError, match="active handle"):
-        cache.refill(handle, 8, cache.alloc(4))
+def test_bad_plans_are_refused():
+    with pytest.raises(UsageError, match="ordered"):
+        plan_refill([(256, 384), (128, 200)], 512, 1, 128, 1, 64)
+    with pytest.raises(UsageError, match="ordered"):
+        plan_refill([(128, 600)], 512, 1, 128, 1, 64)
+    with pytest.raises(UsageError, match=">= 1"):
+        plan_refill(HOLES, 512, 0, 128, 1, 64)
+
+
+def computed_positions(holes, compute_from, total, budget, rows, page):
+    """Slow model of a scheduler serving one request under `plan_refill`: riders compute their
+    holes in the first step; the request computes chunks of at most `budget` page-aligned tokens
+    (only the first step's budget is reduced by riders), each stopping where `next_chunk` says."""
+    plan = plan_refill(holes, compute_from, total - compute_from, budget, rows, page)
+    done = [p for a, b in plan.riders for p in range(a, b)]
+    position, cap, steps = plan.compute_from, plan.first_chunk_end, 0
+    first_budget = None if budget is None else budget - plan.rider_tokens
+    while position < total:
+        room = (first_budget if steps == 0 else budget)
+        room = total - position if room is None else room // page * page
+        if cap is not None:
+            room = min(room, cap - position)
+        end = min(total, position + max(room, 0))
+        assert end > position, "no progress"
+        done.extend(range(position, end))
+        steps += 1
+        position, cap = next_chunk(plan, end) if plan.hole_first else (end, None)
+    return sorted(done), steps
+
+
+@st.composite
+def requests(draw):
+    page = draw(st.sampled_from([1, 16, 64]))
+    blocks = draw(st.integers(2, 24))
+    states = draw(st.lists(st.booleans(), min_size=blocks, max_size=blocks))  # True: resident
+    states[-1] = True  # the last matched block is resident: holes lie before it
+    holes, start = [], None
+    for i, resident in enumerate(states):
+        if not resident and start is None:
+            start = i
+        if resident and start is not None:
+            holes.append((start * page * 4, i * page * 4))
+            start = None
+    compute_from = blocks * page * 4
+    total = compute_from + draw(st.integers(1, 5 * page))
+    budget = draw(st.one_of(st.none(), st.integers(1, 12).map(lambda k: k * page)))
+    return holes, compute_from, total, budget, draw(st.integers(1, 4)), page
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests())
+def test_exactly_the_holes_and_the_new_tokens_are_computed(request):
+    """Whatever the budget and rows: every hole position and every new position is computed once,
+    no resident position ever is, and the request finishes."""
+    holes, compute_from, total, budget, rows, page = request
+    done, steps = computed_positions(holes, compute_from, total, budget, rows, page)
+    plan = plan_refill(holes, compute_from, total - compute_from, budget, rows, page)
+    if budget is None and len(holes) >= rows:
+        # Without chunked prefill and rows, dropped holes recompute from the first of them.
+        want = [p for a, b in holes[:rows - 1] for p in range(a, b)] + list(range(plan.compute_from, total))
+    else:
+        want = [p for a, b in holes for p in range(a, b)] + list(range(compute_from, total))
+    assert done == sorted(want)
+    assert len(set(done)) == len(done)

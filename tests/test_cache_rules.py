@@ -1,4 +1,4 @@
-"""Unit tests of the eviction rules of DESIGN.md section 3, one rule per test.
+"""Unit tests of the eviction rules of docs/design.md section 3, one rule per test.
 
 Block size 4. `S` is a shared system prompt of 2 blocks; histories grow by one node of 2 blocks
 per turn, so node boundaries sit at positions 8, 16, 24, ...
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from cache_helpers import serve, shape
 
-from penelope.cache import KVCache
-from penelope.policy import policy_names
+from penelope.cache.manager import KVCache
+from penelope.cache.policy import policy_names
 
 BS = 4
 S = list(range(1000, 1008))

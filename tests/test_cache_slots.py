@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from penelope.cache.slots import SlotAllocator
 from penelope.errors import InvariantError, UsageError
-from penelope.slots import SlotAllocator
 
 
 def test_fresh_pool_hands_out_contiguous_blocks_in_order():
@@ -87,7 +87,7 @@ class EagerStack:
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.integers(1, 300), st.lists(st.tuples(st.booleans(), st.integers(0, 300), st.randoms()), max_size=40))
 def test_lazy_free_list_hands_out_what_the_eager_stack_did(size, operations):
-    from penelope.slots import LazyFreeList
+    from penelope.cache.slots import LazyFreeList
 
     lazy, eager, held = LazyFreeList(size), EagerStack(size), []
     for pop, n, rng in operations:
@@ -108,6 +108,6 @@ def test_a_pool_of_a_billion_slots_stores_only_what_it_used():
     pool = SlotAllocator(2**30)
     slots = pool.alloc(100)
     pool.free(slots[:50])
-    assert pool._owner.array.nbytes < 2**20 and pool._stack.returned().tolist() == slots[:50][::-1].tolist()
+    assert pool._tags.array.nbytes < 2**20 and pool._stack.returned().tolist() == slots[:50][::-1].tolist()
     assert pool.free_size() == 2**30 - 50
     pool.check(np.empty(0, dtype=np.int64))

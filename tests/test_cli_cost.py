@@ -33,7 +33,7 @@ def test_plot_is_written(tmp_path):
 
 
 def test_model_from_config_path(tmp_path, capsys):
-    from penelope.model_configs import BUILTIN_CONFIGS
+    from penelope.costmodel.hf_configs import BUILTIN_CONFIGS
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(BUILTIN_CONFIGS["qwen3-8b"]))

@@ -63,7 +63,7 @@ def test_bad_model_config_files(tmp_path, capsys, text, message):
 
 def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     # A JSON float that is a whole number is that number: nothing is truncated.
-    from penelope.models import get_model
+    from penelope.costmodel.shapes import get_model
 
     path = write_config(tmp_path, json.dumps({**QWEN, "num_hidden_layers": 36.0}))
     assert get_model(path).num_layers == 36
@@ -284,7 +284,7 @@ def test_gpu_cache_of_a_gigatoken_starts_at_once(tmp_path):
     # The slot pool grows with use: 1G slots used to allocate 17 GB before the first request.
     import tracemalloc
 
-    from penelope.cache import KVCache
+    from penelope.cache.manager import KVCache
 
     tracemalloc.start()
     cache = KVCache(1 << 30)

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from penelope.cache import KVCache
-from penelope.engine.config import BUILTIN_ENGINE_CONFIGS
+from penelope.cache.baselines.hicache import HiCacheLikeCache
+from penelope.cache.manager import KVCache
+from penelope.cache.tiers import TwoTierCache
+from penelope.engine.decoder import EngineBatch, Qwen3Decoder
+from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS
 from penelope.engine.kvpool import KVPool
-from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.engine.session import AgentWorkload, Server, run_workload, turn_order
 from penelope.engine.weights import random_weights
 from penelope.errors import UsageError
-from penelope.hicache import HiCacheLikeCache
-from penelope.tiers import TwoTierCache
 
 TINY = BUILTIN_ENGINE_CONFIGS["tiny"]
 

@@ -9,15 +9,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from penelope.cache import KVCache  # noqa: E402
+from penelope.cache.manager import KVCache  # noqa: E402
+from penelope.cache.tiers import TwoTierCache  # noqa: E402
 from penelope.engine.attention import AttentionBackend, get_attention_backend  # noqa: E402
-from penelope.engine.config import BUILTIN_ENGINE_CONFIGS  # noqa: E402
+from penelope.engine.decoder import Qwen3Decoder  # noqa: E402
+from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS  # noqa: E402
 from penelope.engine.kvpool import KVPool  # noqa: E402
-from penelope.engine.model import Qwen3Decoder  # noqa: E402
 from penelope.engine.session import AgentWorkload, Server, turn_order  # noqa: E402
 from penelope.engine.weights import random_weights  # noqa: E402
 from penelope.kernels.kv_swap import RecordingStreams  # noqa: E402
-from penelope.tiers import TwoTierCache  # noqa: E402
 
 TINY = BUILTIN_ENGINE_CONFIGS["tiny"]
 

@@ -24,10 +24,10 @@ from fuzz_tally import ACCEPTED, CACHE_ERRORS, CLEAR_ERROR, attempt, check_messa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from penelope.cache import KVCache
+from penelope.cache.manager import KVCache
 from penelope.cli import main
-from penelope.costmodel import CostModel
-from penelope.models import get_model
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.sim.mooncake import load_mooncake
 from penelope.sim.replay import Replay
 from penelope.sim.timemodel import CALIBRATION_KEYS, TimeModel
@@ -416,7 +416,7 @@ def cache_state(cache: KVCache):
     alloc = cache.allocator
     return (nodes, cache.free_size(), cache.evictable_size(), cache.protected_size(), cache.outstanding_size(),
             cache.tree.clock, cache.tree.epoch, dict(vars(cache.stats)), alloc._stack[:].tolist(),
-            alloc._owner[np.arange(cache.capacity)].tolist())
+            alloc._tags[np.arange(cache.capacity)].tolist())
 
 
 HOSTILE_ARRAYS = st.one_of(

@@ -12,15 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from penelope.costmodel import CostModel, predict_speedup
-from penelope.engine.config import BUILTIN_ENGINE_CONFIGS
+from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.shapes import get_model
+from penelope.engine.attention import tiled_sdpa_attention
+from penelope.engine.decoder import EngineBatch
+from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS
 from penelope.engine.kvpool import KVPool
-from penelope.engine.model import EngineBatch
 from penelope.kernels.ragged_attention import naive_ragged_prefill_attention
-from penelope.models import get_model
+from penelope.sim.calibration import fit_calibration
 from penelope.sim.timemodel import TimeModel
 
-BENCH_PATH = Path(__file__).resolve().parent.parent / "microbench" / "bench_cost_curve.py"
+MICROBENCH = Path(__file__).resolve().parent.parent / "microbench"
+BENCH_PATH = MICROBENCH / "bench_cost_curve.py"
+# The benchmark imports its sibling timing.py, as pytest does when it runs microbench/.
+sys.path.insert(0, str(MICROBENCH))
 _spec = importlib.util.spec_from_file_location("microbench_cost_curve", BENCH_PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench
@@ -52,7 +57,7 @@ def test_tiled_sdpa_attention_matches_reference(group, tile):
     )
     q = torch.randn(214, num_kv * group, head_dim, generator=torch.Generator().manual_seed(7))
     expected = naive_ragged_prefill_attention(q, k, v, table, segments, sm_scale=0.3)
-    got = bench.tiled_sdpa_attention(q, k, v, table, segments, sm_scale=0.3, tile=tile)
+    got = tiled_sdpa_attention(q, k, v, table, segments, sm_scale=0.3, tile=tile)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -140,7 +145,8 @@ def test_measure_and_write_tiny_curve(tmp_path):
     assert data["max_abs_relative_error"] == max(abs(r["relative_error"]) for r in data["rows"])
     assert (tmp_path / "cost_curve_cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (tmp_path / "cost_curve_cpu.txt").read_text()
-    assert text.count("\n") == len(bench.GPU_CONTEXTS) + 3 and "128K" in text
+    # Title, header, rule, one line per context, the largest error.
+    assert text.count("\n") == len(bench.GPU_CONTEXTS) + 4 and "128K" in text
 
     # The calibration file is what the simulator reads.
     calibration = json.loads((tmp_path / "calibration_cpu.json").read_text())
@@ -161,7 +167,7 @@ def test_fit_calibration_recovers_known_constants():
         tokens, start = int(rng.integers(1, 5000)), int(rng.integers(0, 50_000))
         linear, pairs = cost.c_lin * tokens, cost.attention_pairs(start, start + tokens)
         points.append((linear, pairs, overhead + per_linear * linear + per_pair * pairs))
-    fit = bench.fit_calibration(points, model="tiny", gpu="h200", source="test")
+    fit = fit_calibration(points, model="tiny", gpu="h200", source="test")
     assert fit["model"] == "tiny" and fit["gpu"] == "h200" and fit["source"] == "test"
     assert fit["batch_overhead"] == pytest.approx(overhead, rel=1e-6)
     assert fit["sec_per_linear_unit"] == pytest.approx(per_linear, rel=1e-6)
@@ -173,7 +179,7 @@ def test_fit_calibration_recovers_known_constants():
 def test_fit_calibration_keeps_constants_non_negative():
     # Times that fall as work grows: no non-negative per-unit constant explains them.
     points = [(100.0, 10.0, 0.3), (200.0, 20.0, 0.2), (400.0, 40.0, 0.1)]
-    fit = bench.fit_calibration(points, model="tiny", gpu=None, source="test")
+    fit = fit_calibration(points, model="tiny", gpu=None, source="test")
     assert "gpu" not in fit and "sec_per_linear_unit" not in fit and "sec_per_attention_pair" not in fit
     assert fit["batch_overhead"] > 0
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from penelope.engine.config import BUILTIN_ENGINE_CONFIGS
-from penelope.engine.model import EngineBatch
+from penelope.costmodel.shapes import get_model
+from penelope.engine.decoder import EngineBatch
+from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS
 from penelope.kernels.ragged_attention import naive_ragged_prefill_attention
-from penelope.models import get_model
 from penelope.sim.timemodel import TimeModel
 
 MICROBENCH = Path(__file__).resolve().parent.parent / "microbench"

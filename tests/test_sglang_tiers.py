@@ -16,8 +16,8 @@ import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang_env import Serving, blocks, sglang_config
 
-from penelope.tiers import TwoTierCache
-from penelope.tree import BlockState
+from penelope.cache.tiers import TwoTierCache
+from penelope.cache.tree import BlockState
 
 
 @pytest.fixture(autouse=True)

@@ -6,15 +6,15 @@ import dataclasses
 
 import pytest
 
-from penelope.cache import KVCache
-from penelope.costmodel import CostModel
-from penelope.models import get_model
-from penelope.policy import policy_names
+from penelope.cache.manager import KVCache
+from penelope.cache.policy import policy_names
+from penelope.cache.tiers import TwoTierCache
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.sim.bound import recompute_bound
 from penelope.sim.replay import Replay
 from penelope.sim.synthetic import SyntheticConfig, generate
 from penelope.sim.timemodel import TimeModel
-from penelope.tiers import TwoTierCache
 
 COST = CostModel(get_model("qwen3-8b"))
 TIME = TimeModel.estimate("qwen3-8b")

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from penelope.cli import main
-from penelope.costmodel import CostModel
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
-from penelope.models import get_model
 from penelope.sim.conversations import apply, by_prefix
 from penelope.sim.mooncake import load_mooncake
 from penelope.sim.mooncake_like import MooncakeLikeConfig, write_jsonl

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from penelope.costmodel import CostModel
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
-from penelope.models import get_model
 from penelope.sim.ensemble import Ensemble, run_ensembles
 from penelope.sim.perturb import PERTURBED_FIELDS, Perturbation
 from penelope.sim.run import SimConfig

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from test_sim_replay import COST, request, simple_time_model, workload
 
-from penelope.cache import KVCache
-from penelope.costmodel import CostModel
+from penelope.cache.manager import KVCache
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
-from penelope.models import get_model
 from penelope.sim.ensemble import run_ensembles
 from penelope.sim.fleet_options import scale_time
 from penelope.sim.mooncake import load_mooncake

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_sim_scheduler import B, make_job
 
-from penelope.cache import KVCache
+from penelope.cache.manager import KVCache
 from penelope.errors import UsageError
 from penelope.sim.scheduler import LPM_QUEUE_MAX, Scheduler
 

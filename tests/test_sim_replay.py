@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from trace_paths import WEKA_TRACES
 
-from penelope.cache import KVCache
-from penelope.costmodel import CostModel
-from penelope.models import get_model
+from penelope.cache.manager import KVCache
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.sim.analysis import unbounded_hit_rate
 from penelope.sim.metrics import session_jcts, summarize
 from penelope.sim.replay import Replay, decode_step_times

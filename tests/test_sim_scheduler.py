@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from penelope.cache import KVCache
+from penelope.cache.manager import KVCache
 from penelope.errors import CacheFullError, UsageError
 from penelope.sim.scheduler import Job, Scheduler
 from penelope.sim.workloads import HUMAN, Request, request_tokens

@@ -14,11 +14,11 @@ import random
 import pytest
 from test_sim_scheduler import B, make_job
 
-from penelope.cache import KVCache
+from penelope.cache.manager import KVCache
+from penelope.cache.tiers import TwoTierCache
+from penelope.cache.tree import BlockState
 from penelope.sim.scheduler import Scheduler
 from penelope.sim.workloads import request_tokens
-from penelope.tiers import TwoTierCache
-from penelope.tree import BlockState
 
 
 def resident_tokens(cache, job) -> int:

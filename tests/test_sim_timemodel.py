@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from penelope.costmodel import CostModel, predict_speedup
+from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
-from penelope.models import get_model
 from penelope.sim.timemodel import CALIBRATION_KEYS, TimeModel
 
 

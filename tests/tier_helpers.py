@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from penelope.cache import KVCache
-from penelope.swap_executor import SwapExecutor
-from penelope.tree import BlockState
+from penelope.cache.manager import KVCache
+from penelope.cache.swap_executor import SwapExecutor
+from penelope.cache.tree import BlockState
 
 _MOD, _RADIX = 2**31 - 1, 1_000_003
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, Stora
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 
-from penelope.tree import BlockState
+from penelope.cache.tree import BlockState
 
 _NS_SHIFT = 32
 

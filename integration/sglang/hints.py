@@ -1,4 +1,4 @@
-"""What an SGLang request tells the agent-aware eviction policies (`penelope.waits`).
+"""What an SGLang request tells the agent-aware eviction policies (`penelope.cache.hints`).
 
 SGLang's scheduler, where the cache lives, does not see a tool call as a finish reason: its
 ``finished_reason`` says only that the reply stopped on an end token, a stop string or a length,
@@ -17,8 +17,8 @@ Time is the scheduler process's monotonic clock.
 """
 from __future__ import annotations
 
+from penelope.cache.hints import HUMAN, TOOL, WAIT_KINDS
 from penelope.errors import UsageError
-from penelope.waits import HUMAN, TOOL, WAIT_KINDS
 
 HINT_KEY = "penelope_waits_for"
 

@@ -1,7 +1,7 @@
 """Scheduler hooks that refill holes in SGLang 0.5.23 (through ``HookRegistry``).
 
 When ``PenelopeRadixCache`` reports a match with holes (missing blocks before the last resident
-span), admission decides how they are refilled (``penelope.refill``, ``plan_admission``):
+span), admission decides how they are refilled (``penelope.cache.refill``, ``plan_admission``):
 
 - riders: one prefill-only phantom request per hole joins the request's batch; its prefix is the
   cached history before the hole, its extend the hole, at the hole's original positions. Every

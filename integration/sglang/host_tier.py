@@ -2,7 +2,7 @@
 
 The pool mirrors SGLang's device KV pool (``MHATokenToKVPool``): one K and one V buffer per layer,
 ``[host_rows, heads, head_dim]``, pinned on a GPU machine; ``host_rows`` are the CPU tier plus the
-swap buffer (``penelope.tiers``). A ``SwapExecutor`` runs the cache's tier plans between SGLang's
+swap buffer (``penelope.cache.tiers``). A ``SwapExecutor`` runs the cache's tier plans between SGLang's
 buffers and these: on a GPU on side streams with the compute stream made to wait on events (no
 host synchronisation; SGLang's forward stream waits on the scheduling stream before every
 forward, so a batch never reads KV whose copy has not landed), on CPU in order.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from penelope.cache.swap_executor import SwapExecutor
 from penelope.errors import UsageError
-from penelope.swap_executor import SwapExecutor
 
 _GB = 1 << 30
 
@@ -54,7 +54,7 @@ def check_fits(rows: int, bytes_per_token: int, available: int | None = None) ->
 def estimated_bytes_per_token(model_path: str, dtype: str, tp_size: int = 1) -> int | None:
     """K and V bytes per token of a local HF checkpoint at `dtype` ("float32", else 2 bytes), per
     tensor-parallel rank; None when the model's config cannot be read here."""
-    from penelope.models import get_model
+    from penelope.costmodel.shapes import get_model
 
     try:
         shape = get_model(model_path)

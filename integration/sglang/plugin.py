@@ -10,7 +10,7 @@ overrides the variable of the same option:
 
 | JSON key      | variable               | default    | meaning                                          |
 |---------------|------------------------|------------|--------------------------------------------------|
-| ``policy``    | ``PENELOPE_POLICY``    | penelope   | eviction policy name (``penelope.policy``)       |
+| ``policy``    | ``PENELOPE_POLICY``    | penelope   | eviction policy name (``penelope.cache.policy``)       |
 | ``block_size``| ``PENELOPE_BLOCK_SIZE``| page size  | tokens per cached block, a multiple of the page, at most 2**20 |
 | ``swap_buffer``| ``PENELOPE_SWAP_BUFFER``| 1024     | CPU swap buffer in tokens (two-tier cache only)  |
 | ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from penelope.cache.policy import get_policy, policy_names
 from penelope.errors import UsageError
-from penelope.policy import get_policy, policy_names
 
 logger = logging.getLogger(__name__)
 

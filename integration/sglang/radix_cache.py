@@ -5,7 +5,7 @@ lock and evict; SGLang results out. What SGLang's scheduler sees:
 
 - ``match_prefix`` reports ``device_prefix_len``, where the request computes from. With phantoms
   on, that is the end of the last resident span; the missing spans before it (holes) are refilled
-  as ``penelope.refill`` plans at admission (``plan_admission``): by phantom requests riding in
+  as ``penelope.cache.refill`` plans at admission (``plan_admission``): by phantom requests riding in
   the request's batch (``hooks.py``), or by the request itself, chunk by chunk, jumping over the
   resident spans between holes (``continue_chunk``). With phantoms off, it is the end of the first
   resident run: the request recomputes everything after it.
@@ -49,13 +49,15 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from penelope.cache import KVCache, _as_int_array
-from penelope.cache import MatchResult as PenelopeMatch
+from penelope.cache.admission import load_path
+from penelope.cache.arguments import int_array
+from penelope.cache.hints import ARRIVED, FINISHED, Hint
+from penelope.cache.manager import KVCache
+from penelope.cache.manager import MatchResult as PenelopeMatch
+from penelope.cache.refill import RefillPlan, next_chunk, plan_refill
+from penelope.cache.tiers import TwoTierCache
+from penelope.cache.tree import BlockState
 from penelope.errors import CacheFullError, InvariantError, UsageError
-from penelope.refill import RefillPlan, next_chunk, plan_refill
-from penelope.tiers import TwoTierCache
-from penelope.tree import BlockState
-from penelope.waits import ARRIVED, FINISHED, Hint
 
 from .events import KVEvents
 from .hints import wait_kind
@@ -371,7 +373,7 @@ class PenelopeRadixCache(BasePrefixCache):
         return list(range(len(node_handles)))
 
     def plan_admission(self, req, chunk_budget: int | None, free_rows: int) -> RefillPlan | None:
-        """Decide how a request whose match reported holes is admitted (``penelope.refill``):
+        """Decide how a request whose match reported holes is admitted (``penelope.cache.refill``):
         riders, or hole-first chunks from its first hole, or (without chunked prefill and rows)
         some holes dropped. Sets the request's prefix accordingly; None without holes."""
         ref = req.last_node
@@ -395,9 +397,10 @@ class PenelopeRadixCache(BasePrefixCache):
         if (self.host_kv is None or not isinstance(ref, MatchRef) or ref.match is None or not ref.match.loads
                 or req.kv.req_pool_idx is not None):
             return True
-        handle = self.cache.lock(self._fresh(ref))
+        match = self._fresh(ref)
+        handle = self.cache.lock(match)
         try:
-            self.cache.load(handle)
+            load_path(self.cache, handle, match.loads)
         except CacheFullError:
             self.cache.unlock(handle, admitted=False)
             return False
@@ -552,7 +555,7 @@ class PenelopeRadixCache(BasePrefixCache):
         else:
             # Checked by numpy's dtype, not token by token: floats, bools, None and ids beyond int64
             # are refused instead of being truncated or raising a TypeError.
-            tokens = _as_int_array(token_ids[:n], "penelope: token ids")
+            tokens = int_array(token_ids[:n], "penelope: token ids")
         if namespace:
             if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >> _NS_SHIFT):
                 raise UsageError("penelope: namespaced token ids must lie in [0, 2**32)")

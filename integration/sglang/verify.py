@@ -191,8 +191,8 @@ def check(model: str, spec: EngineCheck, timeout: float = 900, progress=None) ->
 
 def _c_lin(model: str) -> float | None:
     """The model's linear cost per token in attention-pair units (None if its config is unreadable)."""
-    from penelope.costmodel import CostModel
-    from penelope.models import get_model
+    from penelope.costmodel.cost import CostModel
+    from penelope.costmodel.shapes import get_model
 
     try:
         return CostModel(get_model(Path(model) / "config.json")).c_lin
@@ -203,7 +203,7 @@ def _c_lin(model: str) -> float | None:
 def tiny_model(folder: str | Path, seed: int = 0) -> Path:
     """A tiny Qwen3 (hidden 64, 2 layers, 4 query and 2 KV heads of 16, vocab 1000) with real
     random weights (std 0.5, as transformers' initializer_range), saved as an HF checkpoint."""
-    from penelope.engine.config import EngineModelConfig
+    from penelope.engine.decoder_config import EngineModelConfig
     from penelope.engine.weights import random_weights, save_checkpoint
 
     config = EngineModelConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,

@@ -1,4 +1,4 @@
-"""Chunked exchange of GPU and host KV rows through a swap buffer (DESIGN.md section 3, two tiers).
+"""Chunked exchange of GPU and host KV rows through a swap buffer (docs/design.md section 3, two tiers).
 
 When both tiers are full, loading ``n`` host rows onto the GPU means demoting ``n`` GPU rows to the
 host at the same time, with no free slot on either side except a reserved host swap buffer. The

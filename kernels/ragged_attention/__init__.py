@@ -1,8 +1,9 @@
 """Ragged-position prefill attention: one launch for phantom holes and new tokens of many requests."""
 
 from .configs import RaggedBlocks, ragged_attention_blocks, target_of
-from .kernel import RaggedPlan, plan_ragged_prefill, ragged_prefill_attention, warm_up_ragged_attention
 from .naive import naive_ragged_prefill_attention, naive_store_kv
+from .plan import RaggedPlan, plan_ragged_prefill
+from .prefill import ragged_prefill_attention, warm_up_ragged_attention
 from .store import KVStorePlan, plan_store_kv, store_kv
 from .work import RaggedWork, ragged_attention_work
 

@@ -22,38 +22,20 @@ explicit FMAs, so the compiler's contraction of the remaining multiply-adds (on,
 make the two steps differ; ``compile_report`` checks that both loops compile to the same
 floating-point instructions.
 
-The per-batch work (host checks of the segments, query tiles, the check of the slots the batch
-reads) is a ``RaggedPlan``, made once per forward batch from host-side segment lists and shared
-by every layer: ``plan_ragged_prefill``. Nothing in a layer's call waits for the GPU.
+This module holds the Triton code and its launch only: the per-batch plan (segments checked, query
+tiles cut, the slots checked on the device) is ``plan.py``, the public entry point ``prefill.py``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..host_transfer import DeviceFlag, upload
-from .configs import INTERPRETER, RaggedBlocks, ragged_attention_blocks, target_of
-from .segments import (
-    LENGTH,
-    POS_START,
-    REQ_ROW,
-    build_query_tiles,
-    check_layer_inputs,
-    check_segments,
-    check_table,
-    host_segments,
-)
-
-# Status of a batch's slot check: no bad slot found. Anything else is the linear index (over the
-# batch's checked positions) of the first slot outside the pool.
-SLOTS_OK = 2**31 - 1
+from .configs import INTERPRETER, RaggedBlocks
 
 
 @triton.jit
@@ -229,44 +211,15 @@ def _ragged_prefill_fwd_kernel(
         tl.store(work_ptr + program * 2 + 1, n_visit - n_interior)
 
 
-@triton.jit(do_not_specialize=["stride_req", "num_slots"])
-def _check_slots_kernel(
-    status_ptr,
-    req_to_token_ptr,
-    rows_ptr,
-    stride_req,
-    num_slots,
-    BLOCK: tl.constexpr,
-):
-    """Program (i, c): positions ``c * BLOCK ..`` of the i-th request row the batch reads.
-
-    ``rows_ptr``: int32 ``[n, 3]`` rows ``(req_row, need, offset)``: positions ``0 .. need - 1`` of
-    ``req_row`` are read by the batch's queries; ``offset`` numbers them across the batch. The
-    smallest number of a slot outside ``[0, num_slots)`` goes to ``status`` (atomic min).
-    """
-    i = tl.program_id(0)
-    chunk = tl.program_id(1)
-    req_row = tl.load(rows_ptr + i * 3)
-    need = tl.load(rows_ptr + i * 3 + 1)
-    offset = tl.load(rows_ptr + i * 3 + 2)
-    pos = chunk * BLOCK + tl.arange(0, BLOCK)
-    in_row = pos < need
-    slots = tl.load(req_to_token_ptr + req_row.to(tl.int64) * stride_req + pos, mask=in_row, other=0)
-    bad = in_row & ((slots < 0) | (slots >= num_slots))
-    first = tl.min(tl.where(bad, offset + pos, 2147483647), 0)
-    tl.atomic_min(status_ptr, first, mask=first < 2147483647)
+def is_interpreted() -> bool:
+    """Whether Triton runs this package's kernels in its interpreter (``TRITON_INTERPRET=1`` when they
+    were decorated, at import)."""
+    return isinstance(_ragged_prefill_fwd_kernel, InterpretedFunction)
 
 
-# Positions each program of the slot check covers.
-CHECK_BLOCK = 1024
-
-
-def _is_interpreted(kernel) -> bool:
-    return isinstance(kernel, InterpretedFunction)
-
-
-def _check_backend(device: torch.device) -> None:
-    if device.type == "cpu" and not _is_interpreted(_ragged_prefill_fwd_kernel):
+def check_backend(device: torch.device) -> None:
+    """Raise ValueError unless the kernels can run on ``device``: CPU tensors need the interpreter."""
+    if device.type == "cpu" and not is_interpreted():
         raise ValueError(
             "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before penelope.kernels "
             "is imported"
@@ -314,286 +267,14 @@ def ragged_launch(q, k_buffer, v_buffer, req_to_token, tiles, status, sm_scale, 
     return (tiles.shape[0], num_kv_heads), args, kwargs
 
 
-def check_slots_launch(req_to_token, rows, status, num_slots: int, max_need: int):
-    """Grid, arguments and keyword arguments of the slot check over ``rows`` (int32 ``[n, 3]``)."""
-    grid = (rows.shape[0], triton.cdiv(max_need, CHECK_BLOCK))
-    args = (status, req_to_token, rows, req_to_token.stride(0), num_slots)
-    return grid, args, dict(BLOCK=CHECK_BLOCK, num_warps=4)
-
-
-@dataclass(frozen=True, eq=False)
-class RaggedPlan:
-    """The per-batch half of ``ragged_prefill_attention``: checked segments, query tiles on the
-    device, and the device-side check of every slot the batch's queries read.
-
-    Made once per forward batch by ``plan_ragged_prefill`` and passed as ``plan=`` to every layer's
-    call, which then does no per-batch work and no host synchronisation. The plan records
-    ``req_to_token``'s version counter (bumped by every in-place torch write): a call whose table was
-    written after planning is refused, since the slots were checked before the write.
-    """
-
-    req_to_token: torch.Tensor  # int32 [R, max_len], the table that was checked
-    table_version: int  # req_to_token._version when the plan was made
-    segments: object  # the segments object the plan was made from (identity is checked)
-    device: torch.device  # of every layer's q and pool
-    num_tokens: int  # query rows T that the segments cover
-    num_slots: int  # slots S every read slot was checked against
-    blocks: RaggedBlocks  # tile sizes the query tiles were cut for
-    target: str  # pinned-configuration table the blocks come from
-    tiles: torch.Tensor  # int32 [n_tiles, 4] query tiles on `device`
-    rows: np.ndarray  # int64 [n, 3] (req_row, need, offset): the rows and positions checked
-    status: DeviceFlag  # SLOTS_OK, or the number of the first slot outside the pool
-
-    def poll(self) -> bool:
-        """Whether the slot check is known to have passed; False while it is still running.
-        Never blocks. Raises ValueError when it found a slot outside the pool."""
-        value = self.status.poll()
-        if value is None:
-            return False
-        self._raise_if_bad(value)
-        return True
-
-    def check(self) -> None:
-        """Wait for the slot check (a host sync on a GPU) and raise ValueError if it failed."""
-        self._raise_if_bad(self.status.wait())
-
-    def _raise_if_bad(self, value: int) -> None:
-        if value == SLOTS_OK:
-            return
-        i = int(np.searchsorted(self.rows[:, 2], value, side="right")) - 1
-        row, pos = int(self.rows[i, 0]), value - int(self.rows[i, 2])
-        # Read now (the error path may sync): the table may have changed since the check ran.
-        slot = int(self.req_to_token[row, pos])
-        if 0 <= slot < self.num_slots:
-            raise ValueError(f"req_to_token[{row}, {pos}] was outside the pool's {self.num_slots} slots when the "
-                             f"batch was checked (it holds {slot} now)")
-        raise ValueError(f"req_to_token[{row}, {pos}] = {slot} is outside the pool's {self.num_slots} slots")
-
-
-def _read_rows(segs: np.ndarray) -> np.ndarray:
-    """int64 ``[n, 3]`` rows ``(req_row, need, offset)``: each request row the live segments read,
-    the positions ``0 .. need - 1`` its queries attend to, and their running count."""
-    live = segs[segs[:, LENGTH] > 0]
-    if live.size == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    rows, inverse = np.unique(live[:, REQ_ROW], return_inverse=True)
-    need = np.zeros(len(rows), dtype=np.int64)
-    np.maximum.at(need, inverse, live[:, POS_START] + live[:, LENGTH])
-    offset = np.cumsum(need) - need
-    if int(need.sum()) >= SLOTS_OK:
-        raise ValueError(f"the batch reads {int(need.sum())} slots, more than the check numbers in int32")
-    return np.stack([rows, need, offset], axis=1)
-
-
-def plan_ragged_prefill(
-    req_to_token: torch.Tensor,
-    segments,
-    *,
-    num_tokens: int,
-    num_slots: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype | None = None,
-    check: bool | None = None,
-) -> RaggedPlan:
-    """Check one batch and cut its query tiles, once for all the layers that attend over it.
-
-    Args:
-        req_to_token: int32 ``[R, max_len]``, pool slot of (request row, absolute position), on the
-            device of the layers' q and pools.
-        segments: rows ``(req_row, q_start, pos_start, length)``, as in ``ragged_prefill_attention``,
-            preferably HOST-SIDE (a numpy integer array, a list of 4-tuples or an int32 CPU tensor):
-            then planning never waits for the GPU. An int32 tensor on the table's device works too,
-            at the cost of one copy to the host (a sync).
-        num_tokens: query rows ``T`` of every layer's q.
-        num_slots: pool slots ``S``: every slot a query reads must lie in ``[0, S)``, and every
-            layer's pool must have at least ``S`` rows.
-        num_q_heads, num_kv_heads, head_dim: the layers' attention shape (the query tiles are cut
-            for the pinned tile sizes of ``head_dim``, the group size and the device's target).
-        dtype: the layers' q dtype; only fp32 on a GPU has other tiles (None: fp16/bf16).
-        check: wait for the device-side slot check and raise here (True); leave it to
-            ``plan.check()`` or ``plan.poll()`` (False); default: True on the CPU, where nothing is
-            asynchronous, False on a GPU.
-
-    Work: the segments are checked on the host (O(N log N) in segments); tiles and the list of rows
-    to check are uploaded in one non-blocking copy from pinned memory; one launch checks the slots of
-    positions ``0 .. end of the last query`` of the batch's rows only (never the whole table). While
-    the check runs, layers may already be queued: a launch after a failed check visits no KV tile
-    and writes NaN. The check's result reaches the host without a sync (``poll``).
-
-    Raises:
-        ValueError: bad shapes or types, segments that overlap, leave query rows uncovered or run
-        past q or ``req_to_token``; with ``check``, slots outside the pool.
-    """
-    if min(num_q_heads, num_kv_heads, head_dim) <= 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads}), "
-            f"head_dim ({head_dim}) positive"
-        )
-    check_table(req_to_token)
-    segs = host_segments(segments, req_to_token.device)
-    num_req_rows, max_len = req_to_token.shape
-    check_segments(segs, num_tokens, num_req_rows, max_len)
-    device = req_to_token.device
-    target = target_of(device)
-    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, target, dtype)
-    tiles = build_query_tiles(segs, blocks.block_m)
-    rows = _read_rows(segs)
-    # One upload for the tiles and the rows to check.
-    flat = upload(np.concatenate([tiles.reshape(-1), rows.reshape(-1)]).astype(np.int32), device)
-    tiles_dev = flat[: tiles.size].view(-1, 4)
-    rows_dev = flat[tiles.size :].view(-1, 3)
-    status = DeviceFlag(device, SLOTS_OK)
-    if len(rows):
-        _check_backend(device)
-        grid, args, kwargs = check_slots_launch(req_to_token, rows_dev, status.value, num_slots, int(rows[:, 1].max()))
-        _check_slots_kernel[grid](*args, **kwargs)
-    status.publish()
-    plan = RaggedPlan(req_to_token, req_to_token._version, segments, device, num_tokens, num_slots, blocks, target,
-                      tiles_dev, rows, status)
-    if check or (check is None and device.type == "cpu"):
-        plan.check()
-    return plan
-
-
-def _check_plan(plan: RaggedPlan, q, k_buffer, req_to_token, segments) -> None:
-    """That ``plan`` fits this layer's call: host-side checks only, no device sync."""
-    if not isinstance(plan, RaggedPlan):
-        raise ValueError(f"plan must be a RaggedPlan, got {type(plan).__name__}")
-    if req_to_token is not plan.req_to_token or segments is not plan.segments:
-        raise ValueError("plan was built for other req_to_token or segments tensors: build one plan per batch")
-    if req_to_token._version != plan.table_version:
-        raise ValueError(
-            f"req_to_token was written in place after the plan checked it (version {plan.table_version} -> "
-            f"{req_to_token._version}): its slots are unchecked; build a new plan for the new table"
-        )
-    if q.device != plan.device:
-        raise ValueError(f"q is on {q.device} but the plan on {plan.device}")
-    if q.shape[0] != plan.num_tokens:
-        raise ValueError(f"plan covers {plan.num_tokens} query rows but q has {q.shape[0]}")
-    if k_buffer.shape[0] < plan.num_slots:
-        raise ValueError(
-            f"k_buffer has {k_buffer.shape[0]} slots, fewer than the {plan.num_slots} the plan "
-            f"checked req_to_token against"
-        )
-    head_dim, group = q.shape[2], q.shape[1] // k_buffer.shape[1]
-    blocks = ragged_attention_blocks(head_dim, group, plan.target, q.dtype)
-    if blocks != plan.blocks:
-        raise ValueError(
-            f"plan's tiles {plan.blocks} do not fit head_dim {head_dim} with {group} q heads per kv "
-            f"head and {q.dtype} inputs, which need {blocks} (plan fp32 batches with dtype=torch.float32)"
-        )
-
-
-def ragged_prefill_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    segments,
-    sm_scale: float | None = None,
-    return_lse: bool = False,
-    *,
-    out: torch.Tensor | None = None,
-    lse_out: torch.Tensor | None = None,
-    plan: RaggedPlan | None = None,
-):
-    """Causal prefill attention by ABSOLUTE position over a token-indexed KV pool, one launch.
-
-    Args:
-        q: ``[T, Hq, D]`` fp16, bf16 or fp32 queries (any token/head strides, unit stride on D).
-        k_buffer, v_buffer: ``[S, Hkv, D]`` KV pool of one layer, q's dtype; the batch's own K/V
-            must already be stored (``store_kv``). ``Hq`` must be a multiple of ``Hkv``.
-        req_to_token: int32 ``[R, max_len]``, pool slot of (request row, absolute position).
-        segments: int32 ``[N, 4]`` rows ``(req_row, q_start, pos_start, length)`` (a tensor on q's
-            device or on the CPU, a numpy array or a list): query rows ``q_start .. q_start +
-            length - 1`` are positions ``pos_start ..`` of row ``req_row``. They must cover q's rows
-            exactly once; one row's segments must not share a position. Empty segments are allowed.
-            A query at position p attends to positions ``0 .. p``.
-        sm_scale: softmax scale, default ``D ** -0.5``.
-        return_lse: also return the log-sum-exp (natural log) of the scaled scores.
-        out, lse_out: optional preallocated ``[T, Hq, D]`` (q's dtype) and ``[T, Hq]`` fp32 outputs.
-        plan: ``plan_ragged_prefill(req_to_token, segments, ...)`` of this batch, shared by its
-            layers: then the call does no per-batch work and never waits for the GPU; it checks
-            that the plan fits (same ``req_to_token`` and ``segments`` objects, the table not
-            written since, q's rows, device and tile sizes, a pool of at least ``num_slots`` rows).
-
-    Returns:
-        ``o`` ``[T, Hq, D]`` in q's dtype, and ``lse`` ``[T, Hq]`` fp32 when ``return_lse``.
-
-    Raises:
-        ValueError: bad shapes, dtypes, devices or strides, segments that overlap, leave rows
-        uncovered or run past q or ``req_to_token``, or slots outside the pool; a plan that does
-        not fit. Without a plan the call plans the batch and waits for its slot check (a sync).
-    """
-    sm_scale = check_layer_inputs(q, k_buffer, v_buffer, sm_scale)
-    num_tokens, num_q_heads, head_dim = q.shape
-    if plan is None:
-        check_table(req_to_token, q.device)
-        plan = plan_ragged_prefill(
-            req_to_token, segments, num_tokens=num_tokens, num_slots=k_buffer.shape[0],
-            num_q_heads=num_q_heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim, dtype=q.dtype, check=True,
-        )
-    else:
-        _check_plan(plan, q, k_buffer, req_to_token, segments)
-    out = _checked_output(out, "out", (num_tokens, num_q_heads, head_dim), q.dtype, q.device)
-    if return_lse:
-        lse_out = _checked_output(lse_out, "lse_out", (num_tokens, num_q_heads), torch.float32, q.device)
-    if num_tokens > 0 and plan.tiles.shape[0] > 0:
-        _check_backend(q.device)
-        grid, args, kwargs = ragged_launch(q, k_buffer, v_buffer, req_to_token, plan.tiles, plan.status.value,
-                                           sm_scale, out, lse_out if return_lse else None, plan.blocks, plan.target)
-        _ragged_prefill_fwd_kernel[grid](*args, **kwargs)
-    return (out, lse_out) if return_lse else out
-
-
-def _checked_output(tensor, name, shape, dtype, device):
-    if tensor is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device != device:
-        raise ValueError(
-            f"{name} must be {shape} {dtype} on {device}, got {tuple(tensor.shape)} {tensor.dtype} "
-            f"on {tensor.device}"
-        )
-    if tensor.stride(-1) != 1:
-        raise ValueError(f"{name} needs a unit stride on its last dim, got strides {tensor.stride()}")
-    return tensor
-
-
-def warm_up_ragged_attention(
-    k_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    num_q_heads: int,
-    return_lse: bool = False,
-) -> RaggedBlocks | None:
-    """Compile, without running, the ragged kernel and the slot check for one model's layers.
-
-    Call it once per process when the model is loaded (SGLang: when the attention backend is
-    created), so that no request waits for a compile, and every process and tensor-parallel rank
-    uses the same pinned configuration. ``k_buffer``: one layer's ``[S, Hkv, D]`` pool (its dtype,
-    strides and device are those of every layer); ``req_to_token``: the int32 table the batches
-    will use; ``num_q_heads``: q heads of this rank. Returns the pinned tile sizes, or None under
-    the interpreter (nothing to compile).
-    """
-    if not isinstance(k_buffer, torch.Tensor) or k_buffer.dim() != 3:
-        raise ValueError("k_buffer must be one layer's [S, Hkv, D] pool")
-    check_table(req_to_token, k_buffer.device)
-    num_kv_heads, head_dim = k_buffer.shape[1:]
-    if num_q_heads <= 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads})")
-    device = k_buffer.device
-    target = target_of(device)
-    blocks = ragged_attention_blocks(head_dim, num_q_heads // num_kv_heads, target, k_buffer.dtype)
-    if _is_interpreted(_ragged_prefill_fwd_kernel):
-        return None
-    # Tensors of the layers' dtypes and strides; nothing is launched, so one row each suffices.
-    q = torch.empty((1, num_q_heads, head_dim), dtype=k_buffer.dtype, device=device)
-    ints = torch.zeros(8, dtype=torch.int32, device=device)
-    lse = torch.empty((1, num_q_heads), dtype=torch.float32, device=device) if return_lse else None
-    grid, args, kwargs = ragged_launch(q, k_buffer, k_buffer, req_to_token, ints.view(2, 4), ints[:1], 1.0, q,
-                                       lse, blocks, target)
-    _ragged_prefill_fwd_kernel.warmup(*args, grid=grid, **kwargs)
-    grid, args, kwargs = check_slots_launch(req_to_token, ints[:6].view(2, 3), ints[:1], k_buffer.shape[0], 1)
-    _check_slots_kernel.warmup(*args, grid=grid, **kwargs)
-    return blocks
+def run_ragged_prefill(q, k_buffer, v_buffer, req_to_token, tiles, status, sm_scale, out, lse,
+                       blocks: RaggedBlocks, target: str, *, compile_only: bool = False) -> None:
+    """Launch the kernel over the query ``tiles`` (arguments as ``ragged_launch``), writing ``out``
+    and ``lse``; with ``compile_only``, compile it for these arguments without running it."""
+    grid, args, kwargs = ragged_launch(q, k_buffer, v_buffer, req_to_token, tiles, status, sm_scale, out, lse,
+                                       blocks, target)
+    if compile_only:
+        _ragged_prefill_fwd_kernel.warmup(*args, grid=grid, **kwargs)
+        return
+    check_backend(q.device)
+    _ragged_prefill_fwd_kernel[grid](*args, **kwargs)

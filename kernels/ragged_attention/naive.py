@@ -1,6 +1,12 @@
-"""Torch fp32 reference for ragged-position prefill attention, with an explicit position mask."""
+"""Torch fp32 reference for ragged-position prefill attention, with an explicit position mask.
+
+The masked scores are ``penelope.engine.attention.masked_scores``, the causal mask by absolute
+position that every torch attention of the project uses (that module imports torch only).
+"""
 
 import torch
+
+from penelope.engine.attention import masked_scores
 
 from .segments import check_ragged_inputs
 
@@ -47,9 +53,7 @@ def naive_ragged_prefill_attention(
             queries = q[q_start + chunk : q_start + chunk + rows].float()  # [rows, Hq, D]
 
             q_pos = torch.arange(first_pos, first_pos + rows, device=q.device)
-            k_pos = torch.arange(num_keys, device=q.device)
-            scores = torch.einsum("qhd,khd->hqk", queries, keys) * sm_scale
-            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            scores = masked_scores(queries, keys, q_pos, sm_scale)  # [Hq, rows, keys]
             chunk_lse = torch.logsumexp(scores, dim=-1)  # [Hq, rows]
             probs = torch.exp(scores - chunk_lse[..., None])
             rows_slice = slice(q_start + chunk, q_start + chunk + rows)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..host_transfer import upload
-from .kernel import _check_backend
+from .kernel import check_backend
 
 
 @triton.jit
@@ -176,6 +176,6 @@ def store_kv(k_buffer, v_buffer, slots, k, v, impl: str = "auto", *, plan: KVSto
         k_buffer.index_copy_(0, index, k)
         v_buffer.index_copy_(0, index, v)
         return
-    _check_backend(k_buffer.device)
+    check_backend(k_buffer.device)
     grid, args, kwargs = store_launch(k_buffer, v_buffer, slots, k, v)
     _store_kv_kernel[grid](*args, **kwargs)

@@ -9,7 +9,7 @@ replicas). See `penelope.sim.analysis`.
 
 from __future__ import annotations
 
-from penelope.report import format_table
+from penelope.tables import format_table
 from penelope.units import format_size
 
 

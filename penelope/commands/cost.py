@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 
-from penelope.costmodel import CostModel, predict_speedup
-from penelope.models import get_model, model_path
+from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.shapes import get_model, model_path
 from penelope.outputs import check_outputs, save_figure, write_text
-from penelope.report import format_table
+from penelope.tables import format_table
 from penelope.units import format_size, parse_size, parse_size_list
 
 DEFAULT_CONTEXTS = "8K,16K,32K,64K,128K"

@@ -39,8 +39,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from penelope.cli import build_parser, main
     from penelope.commands.simulate import ensemble_options
+    from penelope.costmodel.shapes import get_model, model_path
     from penelope.errors import UsageError
-    from penelope.models import get_model, model_path
     from penelope.outputs import check_folder, check_outputs
     from penelope.units import parse_size, parse_size_list
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from penelope.report import format_table
+from penelope.tables import format_table
 from penelope.units import format_size
 
 # Ranges of the ensemble options: 10,000 runs per setting narrow an interval 40x below 6 runs'
@@ -219,8 +219,8 @@ def run(args) -> int:
 
 def check_fleet_policies(policies: list[str], replicas: int) -> None:
     """The offline oracle's lower bound replays one cache: refuse it on several replicas."""
+    from penelope.cache.policy import get_policy
     from penelope.errors import UsageError
-    from penelope.policy import get_policy
     from penelope.sim.bracket import ORACLE
 
     if any(get_policy(name).name == ORACLE for name in policies):
@@ -250,10 +250,10 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     processes, `repeat` runs of `policies` policies per setting) is checked before they start."""
     import dataclasses
 
-    from penelope.costmodel import CostModel
+    from penelope.costmodel.cost import CostModel
+    from penelope.costmodel.shapes import get_model
     from penelope.errors import UsageError
     from penelope.memory import check_memory
-    from penelope.models import get_model
     from penelope.sim import conversations
     from penelope.sim.ensemble import default_jobs
     from penelope.sim.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time

@@ -12,7 +12,7 @@ large enough never to evict. Compared:
   was new, recomputed by a phantom or after a tail eviction, against the never-evicting run's.
   Reused positions are covered by the value computed when their KV was written.
 
-With `--cpu-cache TOKENS` the small cache is a `penelope.tiers.TwoTierCache` (GPU tier
+With `--cpu-cache TOKENS` the small cache is a `penelope.cache.tiers.TwoTierCache` (GPU tier
 `--cache-tokens`, CPU tier TOKENS, swap buffer `--swap-buffer`): requests load their CPU spans
 back (through the swap buffer when both tiers are full), other KV is demoted to make room, and
 every copy runs on the engine's real K/V pools (`--copy`: the Triton swap-copy kernel or torch
@@ -221,19 +221,19 @@ def reference_capacity(workload, block_size: int) -> int:
 def verify(options: VerifyOptions, layout_fn=None) -> VerifyReport:
     """Run the workload with the small cache and with a never-evicting one; compare.
 
-    `layout_fn`: how request plans become batches (default `penelope.phantom.build_batch`; tests
+    `layout_fn`: how request plans become batches (default `penelope.cache.phantom.build_batch`; tests
     pass a broken one to show that the comparison catches it)."""
     import torch
 
-    from penelope.cache import KVCache
-    from penelope.engine.config import get_engine_config
+    from penelope.cache.manager import KVCache
+    from penelope.cache.phantom import build_batch
+    from penelope.cache.tiers import TwoTierCache
+    from penelope.engine.decoder import Qwen3Decoder
+    from penelope.engine.decoder_config import get_engine_config
     from penelope.engine.kvpool import KVPool
-    from penelope.engine.model import Qwen3Decoder
     from penelope.engine.session import AgentWorkload, Server, run_workload
     from penelope.engine.weights import random_weights
     from penelope.errors import InvariantError
-    from penelope.phantom import build_batch
-    from penelope.tiers import TwoTierCache
 
     config = get_engine_config(options.model)
     workload = AgentWorkload(options.sessions, options.turns, options.system_tokens, options.message_tokens,
@@ -354,8 +354,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from penelope.cache.policy import policy_names
     from penelope.outputs import check_outputs
-    from penelope.policy import policy_names
 
     check_outputs({"--json": args.json}, {"--model": args.model})
     if args.policy not in policy_names(aliases=True):

@@ -1,4 +1,4 @@
-"""Attention backends of the reference engine, selected by name.
+"""Attention backends of the reference engine, selected by name, and the torch attention they share.
 
 Each layer of the decoder first stores the batch's K/V into the pool (`store_kv`), then runs
 ragged prefill attention over all segments (`attend`), reading every key through
@@ -16,14 +16,21 @@ values, but it cuts queries per segment, so a query's rounding depends on the se
 in; the deterministic engine needs results that depend only on the query's own position and
 keys. The kernel package is imported when the "triton" backend is first called, not when this
 module is, so the engine imports and runs ("naive" or a custom backend) without the kernels.
+
+The torch pieces every torch attention of the project is built from live here, for the same
+reason (this module imports torch only): the causal mask by absolute position (`visible_keys`,
+`masked_scores`, also used by the kernel's reference) and the query tiles aligned to absolute
+positions (`aligned_tiles`). `tiled_sdpa_attention` is a third torch path, a fast stand-in for the
+kernel on the CPU (see its docstring).
 """
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from penelope.errors import UsageError
 
@@ -100,24 +107,40 @@ def torch_store_kv(
     v_buffer.index_copy_(0, slots, v.to(v_buffer.dtype))
 
 
+def visible_keys(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Causal mask by absolute position: bool `[rows, num_keys]`, True where the key at position k
+    is visible to the query at position `q_pos[row]` (k <= that position)."""
+    return torch.arange(num_keys, device=q_pos.device)[None, :] <= q_pos[:, None]
+
+
+def masked_scores(queries: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled scores `[Hq, rows, K]` of `queries` `[rows, Hq, D]` at absolute positions `q_pos`
+    `[rows]` against `keys` `[K, Hq, D]` at positions `0 .. K - 1`; -inf where a key comes after
+    its query (in the dtype of the inputs: fp32 in the references)."""
+    scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+    return scores.masked_fill(~visible_keys(q_pos, keys.shape[0])[None], float("-inf"))
+
+
+def aligned_tiles(pos_start: int, length: int, tile: int) -> Iterator[tuple[int, int, int]]:
+    """The query tiles of the segment at positions `pos_start .. pos_start + length - 1`, cut at
+    multiples of `tile` as the kernel cuts its own: `(tile_start, first, last)`, the segment's
+    positions `[first, last)` inside `[tile_start, tile_start + tile)`."""
+    end = pos_start + length
+    for tile_start in range(pos_start - pos_start % tile, end, tile):
+        yield tile_start, max(tile_start, pos_start), min(tile_start + tile, end)
+
+
 # Absolute positions per query tile of `aligned_ragged_attention`.
 ALIGNED_TILE = 64
 
 
-def aligned_ragged_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    segments: torch.Tensor,
-    sm_scale: float | None = None,
-) -> torch.Tensor:
+def aligned_ragged_attention(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None) -> torch.Tensor:
     """Ragged prefill attention in torch fp32, bitwise independent of how the batch is cut.
 
     Arguments as `penelope.kernels.ragged_attention.ragged_prefill_attention` (q `[T, Hq, D]`,
-    pools `[S, Hkv, D]`, `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]`);
-    returns `o` `[T, Hq, D]` in q's dtype. The caller guarantees valid segments and slots
-    (`EngineBatch.build` checks them).
+    pools `[S, Hkv, D]`, `req_to_token` int32 `[R, max_len]`, `segments` int32 `[N, 4]`, `sm_scale`
+    a float or None for `D ** -0.5`); returns `o` `[T, Hq, D]` in q's dtype. The caller guarantees
+    valid segments and slots (`EngineBatch.build` checks them).
 
     Queries are processed in tiles of `ALIGNED_TILE` absolute positions, padded to the full
     tile, against the keys at positions `0 .. tile end - 1` (keys past the segment's last
@@ -130,10 +153,8 @@ def aligned_ragged_attention(
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
     for req_row, q_start, pos_start, length in segments.tolist():
-        first_tile = pos_start - pos_start % ALIGNED_TILE
-        for tile_start in range(first_tile, pos_start + length, ALIGNED_TILE):
+        for tile_start, lo, hi in aligned_tiles(pos_start, length, ALIGNED_TILE):
             tile_end = tile_start + ALIGNED_TILE
-            lo, hi = max(tile_start, pos_start), min(tile_end, pos_start + length)
             rows = slice(q_start + lo - pos_start, q_start + hi - pos_start)
             queries = torch.zeros(ALIGNED_TILE, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
             queries[lo - tile_start : hi - tile_start] = q[rows].float()
@@ -143,13 +164,58 @@ def aligned_ragged_attention(
             keys[:hi], values[:hi] = k_buffer[slots].float(), v_buffer[slots].float()
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale  # [Hq, TILE, tile_end]
             q_pos = torch.arange(tile_start, tile_end, device=q.device)
-            k_pos = torch.arange(tile_end, device=q.device)
-            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            scores = masked_scores(queries, keys, q_pos, scale)  # [Hq, TILE, tile_end]
             tile_out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
             out[rows] = tile_out[lo - tile_start : hi - tile_start]
     return out.to(q.dtype)
+
+
+# Absolute positions per query tile of `tiled_sdpa_attention`.
+SDPA_TILE = 128
+
+
+def tiled_sdpa_attention(q, k_buffer, v_buffer, req_to_token, segments, sm_scale=None, tile: int = SDPA_TILE):
+    """Ragged prefill attention with torch's fused attention, one call per query tile.
+
+    Arguments and result as `aligned_ragged_attention` (`segments` may be any integer `[N, 4]`),
+    in q's dtype; `tile`: absolute positions per query tile.
+
+    Why a third torch path: it stands in for the Triton kernel where the kernel is too slow to
+    time (interpreted on the CPU: the cost curve's CPU replica, `microbench/bench_cost_curve.py`),
+    so its cost must scale like the kernel's work. Query tiles are aligned to absolute positions
+    like the kernel's, and a tile at positions `[first, last)` reads only keys `[0, last)`: the
+    work is the causal triangle plus at most one tile of masked keys per query. The q heads of a
+    kv head are stacked into the rows of one call, so K/V are shared by the group without being
+    copied. `aligned_ragged_attention` pads every tile and gathers keys per tile (for bitwise
+    batch invariance) and the kernel's reference computes per-segment rectangles; timing either
+    would measure its own overheads rather than attention. Not batch-invariant: use it to time,
+    not as a reference.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    for req_row, q_start, pos_start, length in torch.as_tensor(segments).tolist():
+        if length == 0:
+            continue
+        slots = req_to_token[req_row, : pos_start + length].long()
+        keys = k_buffer.index_select(0, slots).transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, end, D]
+        values = v_buffer.index_select(0, slots).transpose(0, 1).contiguous().unsqueeze(0)
+        for _, first, last in aligned_tiles(pos_start, length, tile):
+            rows = last - first
+            row0 = q_start + first - pos_start
+            # [rows, Hq, D] -> [1, Hkv, group * rows, D]: row g * rows + i is q head (kv, g) at first + i.
+            queries = q[row0 : row0 + rows].reshape(rows, num_kv_heads, group, head_dim)
+            queries = queries.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * rows, head_dim)
+            q_pos = torch.arange(first, last, device=q.device).repeat(group)
+            tile_out = F.scaled_dot_product_attention(
+                queries, keys[:, :, :last], values[:, :, :last], attn_mask=visible_keys(q_pos, last), scale=scale
+            )
+            tile_out = tile_out.reshape(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
+            out[row0 : row0 + rows] = tile_out.reshape(rows, num_q_heads, head_dim)
+    return out
 
 
 def _triton_store_kv(k_buffer, v_buffer, slots, k, v, plan=None):

@@ -4,15 +4,15 @@ Slot `s` of layer `l` holds the key `k_buffers[l][s]` and value `v_buffers[l][s]
 each `[Hkv, D]`. Which token lives in which slot is the cache manager's business (it hands out
 slots and writes them into `req_to_token`); the pool only stores rows.
 
-With a CPU tier (`penelope.tiers.TwoTierCache`) the engine keeps a second pool of the same layout
+With a CPU tier (`penelope.cache.tiers.TwoTierCache`) the engine keeps a second pool of the same layout
 in host memory (`host_mirror`: the CPU tier plus the swap buffer), and
-`penelope.swap_executor.SwapExecutor` copies rows between `buffers()` of the two.
+`penelope.cache.swap_executor.SwapExecutor` copies rows between `buffers()` of the two.
 """
 from __future__ import annotations
 
 import torch
 
-from penelope.engine.config import EngineModelConfig
+from penelope.engine.decoder_config import EngineModelConfig
 from penelope.errors import UsageError
 
 

@@ -1,7 +1,7 @@
 """A tiny serving loop over the reference engine: multi-session, multi-turn, phantoms in the batch.
 
 `Server.serve(prompt)` runs one request the way a Penelope-enabled engine would: match the prompt
-in the cache, plan the batch (`penelope.phantom`), run ONE forward holding a phantom segment per
+in the cache, plan the batch (`penelope.cache.phantom`), run ONE forward holding a phantom segment per
 hole and the real request's new tokens, then decode greedily (each step a 1-token segment at the
 next position, with a slot from the cache), and finally insert the whole sequence back into the
 cache. Requests run one at a time; sessions are just token histories (`AgentWorkload`).
@@ -15,8 +15,8 @@ covers every position of every prompt, reused or recomputed, and a position reco
 a phantom, or after a tail eviction) yields a second row that must equal the first bitwise in
 deterministic mode.
 
-Two tiers: with a `penelope.tiers.TwoTierCache` the server also holds a host KV pool (the CPU tier
-plus the swap buffer) and a `penelope.swap_executor.SwapExecutor`. The request's CPU spans are
+Two tiers: with a `penelope.cache.tiers.TwoTierCache` the server also holds a host KV pool (the CPU tier
+plus the swap buffer) and a `penelope.cache.swap_executor.SwapExecutor`. The request's CPU spans are
 loaded back by `plan_request`; after every cache call that may move KV (planning, each decode
 step's allocation, the final insert) the server runs every plan the cache queued, in order, on the
 real pools before the next forward. So the K/V rows always hold what the cache believes, the
@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from penelope.cache import KVCache
+from penelope.cache.hints import ARRIVED, FINISHED, HUMAN, TOOL, Foresight, Hint
+from penelope.cache.host_tier import TieredCache
+from penelope.cache.manager import KVCache
+from penelope.cache.phantom import BatchLayout, RequestPlan, build_batch, finish_request, plan_request, release_request
+from penelope.cache.swap_executor import SwapExecutor
+from penelope.engine.decoder import EngineBatch, Qwen3Decoder
 from penelope.engine.kvpool import KVPool
-from penelope.engine.model import EngineBatch, Qwen3Decoder
 from penelope.errors import UsageError
-from penelope.phantom import BatchLayout, RequestPlan, build_batch, finish_request, plan_request, release_request
-from penelope.swap_executor import SwapExecutor
-from penelope.waits import ARRIVED, FINISHED, HUMAN, TOOL, Foresight, Hint
 
 LayoutFn = Callable[[list[RequestPlan]], BatchLayout]
 
@@ -75,7 +76,7 @@ class Server:
 
     `model` and `pool` must agree (same config, dtype, device); `cache.capacity` must equal
     `pool.capacity`, since cache slots are pool rows. `layout_fn` turns request plans into a
-    batch (`penelope.phantom.build_batch`; tests pass broken ones to show verification fails).
+    batch (`penelope.cache.phantom.build_batch`; tests pass broken ones to show verification fails).
 
     A cache with a CPU tier (one that queues tier plans: `TwoTierCache`, `HiCacheLikeCache`)
     needs `host_pool`, a pool of `cache.host_rows` rows with `pool`'s layout and dtype
@@ -93,8 +94,8 @@ class Server:
         self.layout_fn = layout_fn
         self.host_pool = host_pool
         self.executor: SwapExecutor | None = None
-        if hasattr(cache, "take_plans"):
-            if not getattr(cache, "keep_plans", True):
+        if isinstance(cache, TieredCache):
+            if not cache.keep_plans:
                 raise UsageError("the cache was built with keep_plans=False: its moves could not be run on the pools")
             if host_pool is None:
                 raise UsageError(f"a cache with a CPU tier needs a host pool of {cache.host_rows} rows")
@@ -285,7 +286,7 @@ def run_workload(server: Server, workload: AgentWorkload, logprobs: bool = True)
     system = workload.system_prompt()
     record = RunRecord([SessionRecord(system.copy()) for _ in range(workload.sessions)])
     cache = server.cache
-    foresight = bool(getattr(cache.policy, "uses_foresight", False))
+    foresight = cache.policy.uses_foresight
     for now, (session, turn) in enumerate(turn_order(workload)):
         state = record.sessions[session]
         prompt = np.concatenate([state.history, workload.message(session, turn)])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from penelope.engine.config import EngineModelConfig
+from penelope.engine.decoder_config import EngineModelConfig
 from penelope.errors import UsageError
 
 # Field of LayerWeights -> tensor name under `model.layers.{i}.` in a Qwen3 checkpoint.

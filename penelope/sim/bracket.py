@@ -20,8 +20,7 @@ DISTANCE_FIELDS = ("recompute_cost", "ttft_mean", "jct_mean")
 def oracle_bound(workload, replay, cache, cost_model) -> float:
     """Lower bound on the recompute cost of the requests `replay` served, with the cache's logical
     capacity (both tiers)."""
-    capacity = getattr(cache, "total_capacity", cache.capacity)
-    return recompute_bound(workload, replay.events, capacity, cost_model)
+    return recompute_bound(workload, replay.events, cache.total_capacity, cost_model)
 
 
 def compare_with_oracle(results: dict) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-from penelope.report import format_table
 from penelope.sim.fleet_report import fleet_label
 from penelope.sim.stats import NO_DIFFERENCE, Estimate
+from penelope.tables import format_table
 from penelope.units import format_size
 
 # Changes listed for every policy (field, label); times and costs relative, hit rate in points.

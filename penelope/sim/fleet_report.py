@@ -3,7 +3,7 @@ imbalance, utilization, saturation per policy), a table per replica, and saturat
 
 from __future__ import annotations
 
-from penelope.report import format_table
+from penelope.tables import format_table
 from penelope.units import format_size
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from penelope.costmodel.shapes import model_path
 from penelope.errors import UsageError
-from penelope.models import model_path
 from penelope.sim.replay import check_clock_range
 from penelope.sim.weka import OVERFLOW_MODES, SUBAGENT_MODES
 from penelope.sim.workloads import FORMATS, ThinkTime, Workload, load_workload

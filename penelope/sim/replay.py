@@ -23,7 +23,7 @@ The cost of one event does not grow with the number of requests waiting: the arr
 queues are heaps, and a server's scheduler sorts at most `LPM_QUEUE_MAX` waiting requests
 (SGLang's own limit, see `penelope.sim.scheduler`).
 
-Hints (`penelope.waits`): each server's cache hears of every request's arrival (at its send time)
+Hints (`penelope.cache.hints`): each server's cache hears of every request's arrival (at its send time)
 and finish, with what the session then waits for: a tool when its next request carries a tool
 result (the reply ended in a tool call; in the WEKA traces 99.8% of replies that stop on
 `tool_use` are followed by a tool request), else a person. Its clock is advanced to the server's
@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from penelope.costmodel import CostModel
+from penelope.cache.hints import FINISHED, Foresight, Hint
+from penelope.costmodel.cost import CostModel
 from penelope.errors import UsageError
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.router import Router
@@ -50,7 +51,6 @@ from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Job
 from penelope.sim.server import MAX_DECODE_STEPS, Server, ServerCounters, decode_step_times
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
-from penelope.waits import FINISHED, Foresight, Hint
 
 # Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
 # measured with long nodes, rounded up for histories split into many short nodes.
@@ -162,7 +162,7 @@ class Replay:
         self.time_model = time_model
         self.cost = cost_model
         self.sessions = sessions
-        self._foresight = bool(getattr(caches[0].policy, "uses_foresight", False))
+        self._foresight = caches[0].policy.uses_foresight
         self.servers = [
             Server(i, c, time_model, cost_model, order=order, chunk_size=chunk_size, lpm_queue_max=lpm_queue_max,
                    finished_hint=self._finished_hint)
@@ -332,7 +332,7 @@ class Replay:
             result.decode_steps += counters.decode_steps
             result.prefill_tokens += counters.prefill_tokens
             result.phantom_tokens += counters.phantom_tokens
-        result.routing = dict(getattr(self.router, "decisions", {}))
+        result.routing = dict(self.router.decisions) if self.router is not None else {}
 
     def _tick(self) -> None:
         if self.progress is not None:
@@ -353,7 +353,7 @@ def replay(workload: Workload, cache, time_model: TimeModel, cost_model: CostMod
 
 
 def _shape_of(time_model: TimeModel):
-    from penelope.models import get_model
+    from penelope.costmodel.shapes import get_model
 
     return get_model(time_model.model)
 

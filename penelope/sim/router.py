@@ -118,6 +118,8 @@ class Router:
         self.replicas = replicas
         self.block_size = block_size
         self.config = config
+        # Why requests went where they went, per reason (routers that choose for several reasons).
+        self.decisions: dict[str, int] = {}
 
     def route(self, request: Request, session: int, loads: Sequence[int], now: float) -> int:
         """The replica (0-based) for `request` of session number `session`, sent at `now` (s)

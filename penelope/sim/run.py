@@ -6,8 +6,8 @@ their differences come from eviction alone. `ablation` names the paper's six-pol
 `leaf-tail-node` is SGLang's RadixCache and the baseline of every comparison.
 
 With a CPU tier (`cpu_cache` > 0) every policy but the baseline runs on the unified two-tier cache
-(`penelope.tiers.TwoTierCache`: one eviction order over GPU + CPU, loads through a swap buffer
-when both tiers are full), and the baseline on the HiCache-like cache (`penelope.hicache`: SGLang
+(`penelope.cache.tiers.TwoTierCache`: one eviction order over GPU + CPU, loads through a swap buffer
+when both tiers are full), and the baseline on the HiCache-like cache (`penelope.cache.baselines.hicache`: SGLang
 0.5.23's hierarchical cache, each tier evicting by its own LRU). Both report CPU hits to the
 longest-prefix-first scheduler, as SGLang's scheduler counts host hits.
 """
@@ -18,12 +18,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from penelope.cache import CacheStats, KVCache
-from penelope.costmodel import CostModel
+from penelope.cache.baselines.hicache import HiCacheLikeCache
+from penelope.cache.host_tier import TieredCache
+from penelope.cache.manager import CacheStats, KVCache
+from penelope.cache.policy import PAPER_GRID, get_policy, policy_names
+from penelope.cache.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
+from penelope.costmodel.cost import CostModel
+from penelope.costmodel.shapes import ModelShape, get_model
 from penelope.errors import UsageError
-from penelope.hicache import HiCacheLikeCache
-from penelope.models import ModelShape, get_model
-from penelope.policy import PAPER_GRID, get_policy, policy_names
 from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound
 from penelope.sim.fleet import FleetSummary, fleet_summary
 from penelope.sim.metrics import Summary, changes_against, summarize
@@ -32,7 +34,6 @@ from penelope.sim.router import RouterConfig, check_router, make_router
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
 from penelope.sim.timemodel import DEFAULT_GPU_CACHE, PAPER_GPU_CACHE, TimeModel
 from penelope.sim.workloads import Workload
-from penelope.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
 
 BASELINE = "leaf-tail-node"
 BASELINE_ALIAS = "sglang"
@@ -233,10 +234,10 @@ def run_policy(
     for cache in caches:
         cache.check_invariants()
     cache = caches[0]
-    counters = [getattr(c, "counters", None) for c in caches]
     tiers = None
-    if counters[0] is not None:
-        tiers = counters[0].as_dict() if len(caches) == 1 else _summed([c.as_dict() for c in counters])
+    if isinstance(cache, TieredCache):
+        counters = [c.counters.as_dict() for c in caches]
+        tiers = counters[0] if len(caches) == 1 else _summed(counters)
     stats = cache.stats if len(caches) == 1 else _summed_stats([c.stats for c in caches])
     bound = oracle_bound(workload, outcome, cache, cost_model) if cache.policy.name == ORACLE else None
     summary = summarize(outcome.records)

@@ -16,7 +16,7 @@ behaviour:
   in-batch prefix deprioritisation.
 - Admission: a request is admitted when the KV it will write fits: slots for every token it
   computes (phantom holes + new tokens) and for its whole reply, all allocated up front through
-  `KVCache.alloc`, which evicts as needed (never from a locked path). Its matched path is locked
+  `penelope.cache.admission.admit`, which evicts as needed (never from a locked path). Its matched path is locked
   until it finishes, so a running request's KV is never evicted. The first request in order that
   does not fit stops admission (head-of-line blocking, as SGLang's prefill adder stops).
 - Chunked prefill: one prefill batch computes at most `chunk_size` tokens (phantom holes count:
@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from penelope.cache.admission import admit
+from penelope.cache.manager import KVCache
 from penelope.errors import CacheFullError, UsageError
 from penelope.sim.workloads import Request
-from penelope.tree import BlockState
 
 ORDERS = ("lpm", "fcfs")
 DEFAULT_CHUNK_SIZE = 8192
@@ -119,14 +120,13 @@ class Chunk:
 class Scheduler:
     """Waiting queue and prefill-batch formation over a `KVCache` (see the module docstring).
 
-    cache: a `penelope.cache.KVCache` (or anything with the same match/lock/alloc/insert/
-        unlock/free methods and sizes); order: `"lpm"` or `"fcfs"`; chunk_size: tokens per
+    cache: a `penelope.cache.manager.KVCache` (GPU-only or tiered); order: `"lpm"` or `"fcfs"`; chunk_size: tokens per
         prefill batch; lpm_queue_max: the longest queue LPM sorts (longer: served in queue order).
 
     `waiting` is the queue in the order it was last served: arrival order for FCFS, the last LPM
     sort followed by later arrivals for LPM. Admitted requests always leave from its front."""
 
-    def __init__(self, cache, order: str = "lpm", chunk_size: int = DEFAULT_CHUNK_SIZE,
+    def __init__(self, cache: KVCache, order: str = "lpm", chunk_size: int = DEFAULT_CHUNK_SIZE,
                  lpm_queue_max: int = LPM_QUEUE_MAX):
         if order not in ORDERS:
             raise UsageError(f"unknown scheduler {order!r}; choose from {', '.join(ORDERS)}")
@@ -224,47 +224,25 @@ class Scheduler:
         self.waiting.sort(key=lambda job: (-resident[id(job)], job.send_time, job.seq))
 
     def _admit(self, job: Job) -> int | None:
-        """Match, lock and allocate for `job`; the tokens to load from CPU, or None if it does not fit."""
-        cache = self.cache
-        n = job.input_tokens
-        match = cache.match(job.tokens[:-1])
-        work = [*match.holes, (match.compute_from, n)]
-        computed = sum(end - start for start, end in work)
-        need = computed + job.output_tokens
-        # CPU spans (two-tier caches) are reused but need GPU slots: they are loaded first.
-        to_load = sum(len(span) for span in match.loads)
-        # Locking the path only turns evictable tokens into protected ones: this bound is necessary.
-        if need + to_load > cache.free_size() + cache.evictable_size():
-            return None
-        handle = cache.lock(match)
+        """Admit `job` (`penelope.cache.admission.admit`: its prompt matched without the last token,
+        its reply's slots reserved); the tokens to load from CPU, or None if it does not fit now."""
         try:
-            loads = cache.load(handle) if to_load else None
-            fresh = cache.alloc(need)
+            admission = admit(self.cache, job.tokens, match_tokens=job.input_tokens - 1, reserve=job.output_tokens)
         except CacheFullError:
-            cache.unlock(handle, admitted=False)
             return None
-        slots = np.empty(n, dtype=np.int64)
-        used = 0
-        for start, end in work:
-            slots[start:end] = fresh[used : used + end - start]
-            used += end - start
-        for span in match.spans:
-            if span.state == BlockState.GPU:
-                slots[span.start : span.end] = span.slots
+        match, loaded = admission.match, admission.loaded
         # Loaded CPU spans have GPU slots now; their load time is charged to the first chunk.
-        for span in loads.spans if loads is not None else ():
-            slots[span.start : span.end] = span.slots
-        job.handle = handle
-        job.slots = slots
-        job.out_slots = fresh[used:]
-        job.work = [(start, end) for start, end in work if end > start]
-        job.compute_from = match.compute_from
+        job.handle = admission.handle
+        job.slots = admission.slots
+        job.out_slots = admission.reserved
+        job.work = [(start, end) for start, end in admission.computed if end > start]
+        job.compute_from = admission.compute_from
         job.reused = match.hit_tokens
         job.recomputed = list(match.recomputed)
         job.phantom = sum(end - start for start, end in match.holes)
-        job.loaded = to_load
-        job.swap_loads = int(loads is not None and loads.swapped_tokens > 0)
-        return to_load
+        job.loaded = loaded.loaded_tokens
+        job.swap_loads = int(loaded.swapped_tokens > 0)
+        return job.loaded
 
     def _take(self, job: Job, budget: int, loaded: int = 0) -> Chunk:
         """Cut up to `budget` tokens from the front of `job`'s remaining work."""

@@ -16,7 +16,7 @@ scheduler sees the request.
 `in_flight` counts the requests received and not finished (waiting, prefilling or decoding): the
 load a router sees (SGLang's router counts a worker's requests from routing to response).
 
-Hints (`penelope.waits`): the server tells its cache of every request it receives (`arrived`, at
+Hints (`penelope.cache.hints`): the server tells its cache of every request it receives (`arrived`, at
 its send time) and finishes (`finished`, with what its session waits for next, made by
 `finished_hint`), and advances the cache's clock to its own before every action. A request that
 arrives during an action is hinted when the action completes, after the requests it finished (a
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from penelope.costmodel import CostModel
+from penelope.cache.hints import ARRIVED, Hint
+from penelope.costmodel.cost import CostModel
 from penelope.errors import InvariantError
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Chunk, Job, Scheduler
 from penelope.sim.timemodel import TimeModel
-from penelope.waits import ARRIVED, Hint
 
 # Decode steps timed in one array at most (8 MB); a longer reply is decoded over several actions.
 MAX_DECODE_STEPS = 1 << 20

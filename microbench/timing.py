@@ -1,0 +1,38 @@
+"""Seconds of a call, the one way every microbenchmark that times its own calls measures them.
+
+On a GPU: CUDA events around the call, read after the end event has completed (the time the GPU
+spent, not the time the host took to queue the work). On the CPU: the wall clock, or the CPU time
+of the calling thread (``clock="thread"``), which does not count the time the scheduler gives to
+other jobs on a shared machine and, with torch on one thread, holds all of the work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def elapsed(fn: Callable[[], object], device: torch.device, clock: str = "wall") -> float:
+    """Seconds of one call of ``fn``: CUDA events when ``device`` is a GPU, else ``clock`` ("wall" or
+    "thread")."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    timer = time.thread_time if clock == "thread" else time.perf_counter
+    begin = timer()
+    fn()
+    return timer() - begin
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, rounds: int, warmup: int = 2,
+               clock: str = "wall") -> list[float]:
+    """Seconds of each of ``rounds`` calls of ``fn`` (``elapsed``), after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return [elapsed(fn, device, clock) for _ in range(rounds)]

@@ -1,0 +1,14 @@
+"""The KV cache: what is kept, where, and what a request must recompute.
+
+- `tree`: the radix tree over whole KV blocks, a state per block (GPU, CPU, MISSING).
+- `slots`: the slot pools (device and host rows) behind one allocator interface.
+- `policy`, `agent_policy`: where and what to evict (the paper's grid, agent- and cost-aware
+  policies, the offline oracle); `hints`: what a server tells the policies.
+- `manager`: `KVCache`, the GPU-only cache manager (match, lock, alloc, insert, unlock, evict).
+- `host_tier`, `tiers`: the second tier (host memory and its swap buffer) and `TwoTierCache`;
+  `swap_executor` runs the tier plans on real KV pools.
+- `admission`: one request's admission (match, lock, load, allocate, roll back), used by the
+  reference engine, the simulator and the SGLang adapter; `phantom`: the batch layout of
+  phantom refills; `refill`: refilling holes under a chunk budget.
+- `baselines`: caches that imitate other systems (the HiCache-like two-tier cache).
+"""

@@ -1,0 +1,1 @@
+"""Caches that imitate other systems' eviction, kept as baselines to compare Penelope with."""

@@ -1,0 +1,486 @@
+"""KVCache: the block radix-tree KV cache manager (docs/design.md section 3).
+
+Caller protocol for one request, in this order:
+
+    m = cache.match(tokens)              # spans (GPU/CPU/MISSING), holes, compute_from
+    h = cache.lock(m)                    # protect the matched path while the request runs
+    new = cache.alloc(n)                 # slots for holes + new tokens (may evict, never m's path)
+    ...run the request, writing KV into the slots...
+    cache.insert(tokens, slots)          # takes every slot passed; duplicates are freed
+    cache.unlock(h)
+    cache.hint(tokens, Hint(now, "finished", waits_for="tool"))   # optional, see penelope.cache.hints
+
+A match is invalidated by any eviction: lock it right away, or match again. Every method
+validates its input before changing anything, so bad input raises UsageError and leaves the
+cache as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from penelope.cache.arguments import check_alloc_memory, count, int_array
+from penelope.cache.hints import Hint
+from penelope.cache.policy import EvictionPolicy, get_policy
+from penelope.cache.slots import DeviceSlots, SlotAllocator
+from penelope.cache.tree import NO_SLOT, BlockState, Node, RadixTree
+from penelope.costmodel.cost import RecomputeCost
+from penelope.errors import CacheFullError, InvariantError, UsageError
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_HASHES = np.empty(0, dtype=np.uint64)
+_GPU, _CPU, _MISSING = int(BlockState.GPU), int(BlockState.CPU), int(BlockState.MISSING)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Positions [start, end) of the request in one state; `slots` ([end - start] int64) hold
+    their KV for GPU/CPU spans and are empty for MISSING spans."""
+
+    start: int
+    end: int
+    state: BlockState
+    slots: np.ndarray
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What the cache holds of a token sequence (positions in tokens).
+
+    `spans` cover [0, matched) in order. `holes` are MISSING spans before the last resident span:
+    a phantom prefill recomputes them. `loads` are CPU spans. The real request computes from
+    `compute_from`. `recomputed` lists the spans the cache had held before and must compute
+    again (holes, then evicted blocks from `compute_from` on). `handle` is opaque (for `lock`).
+    """
+
+    spans: list[Span]
+    holes: list[tuple[int, int]]
+    loads: list[Span]
+    compute_from: int
+    handle: Node
+    n_tokens: int
+    matched: int
+    hit_tokens: int
+    recomputed: list[tuple[int, int]]
+    epoch: int = field(repr=False)
+    owner: object = field(repr=False, compare=False)
+
+
+class LockHandle:
+    """A lock on one matched root path; `unlock` it exactly once."""
+
+    __slots__ = ("node", "active", "owner", "match")
+
+    def __init__(self, node: Node, owner: KVCache, match: MatchResult):
+        self.node, self.active, self.owner, self.match = node, True, owner, match
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """Token counts of one insert: `cached` whole-block tokens now on the path, of which
+    `already_cached` were resident before, `refilled` were holes and `new` were added;
+    `freed` slots went back to the free list (duplicates and the partial last block)."""
+
+    cached: int
+    already_cached: int
+    refilled: int
+    new: int
+    freed: int
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    """`freed_tokens` GPU tokens freed; their `slots`; `ranges` (start, end) of evicted
+    positions, each within one history; `hashes` (uint64) the prefix hashes of the evicted
+    blocks (`RadixTree` block identities, for KV events)."""
+
+    freed_tokens: int
+    slots: np.ndarray
+    ranges: list[tuple[int, int]]
+    hashes: np.ndarray = field(default_factory=lambda: _NO_HASHES)
+
+
+@dataclass
+class CacheStats:
+    """Counters over locked matches (admitted requests) and evictions, in tokens.
+
+    `missed` = tokens a request had to compute; `recomputed` = the part of them the cache had
+    held before (holes, evicted tails, deleted nodes); costs in the cost model's units (0 when
+    the cache has no cost model)."""
+
+    policy: str
+    requests: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    hole_tokens: int = 0
+    recomputed_tokens: int = 0
+    missed_cost: float = 0.0
+    recomputed_cost: float = 0.0
+    evict_calls: int = 0
+    evicted_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hit_tokens + self.missed_tokens
+        return self.hit_tokens / total if total else 0.0
+
+
+class KVCache:
+    """Block-granular radix-tree KV cache over a pool of `capacity` token slots.
+
+    `policy`: a registered name (see `penelope.cache.policy.policy_names`) or an EvictionPolicy (one
+    object per cache: policies may keep state).
+    `cost_model`: a `penelope.costmodel.cost.RecomputeCost`, for statistics and the policies that
+    weigh recompute cost (without one, every token costs the same to them).
+    `allocator`: the slot pool, a `penelope.cache.slots.DeviceSlots` of the same capacity
+    (default: a new `SlotAllocator`).
+    `track_recompute`: remember a hash of every block ever inserted, so statistics can tell
+    recomputed tokens from new ones even after a policy deleted them from the tree.
+    """
+
+    # The tree's class: a baseline that keeps more per node (host copies) subclasses RadixTree.
+    tree_class: type[RadixTree] = RadixTree
+
+    def __init__(self, capacity: int, block_size: int = 64, policy: str | EvictionPolicy = "penelope",
+                 cost_model: RecomputeCost | None = None, allocator: DeviceSlots | None = None,
+                 track_recompute: bool = True):
+        block_size = count(block_size, "block_size")
+        capacity = count(capacity, "capacity")
+        if block_size < 1:
+            raise UsageError("block_size must be at least 1")
+        if capacity < block_size:
+            raise UsageError(f"capacity {capacity} is below one block of {block_size} tokens")
+        if capacity >= 2**31:
+            raise UsageError(f"capacity {capacity} is beyond the 2**31 slots the tree can address")
+        self.policy = policy if isinstance(policy, EvictionPolicy) else get_policy(policy)
+        if cost_model is not None and not isinstance(cost_model, RecomputeCost):
+            raise UsageError("cost_model must have a span_cost(start, end) method")
+        if allocator is not None and allocator.capacity != capacity:
+            raise UsageError(f"allocator capacity {allocator.capacity} differs from cache capacity {capacity}")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.cost_model = cost_model
+        self.allocator = allocator if allocator is not None else SlotAllocator(capacity, block_size)
+        self.tree = self.tree_class(block_size)
+        self.stats = CacheStats(policy=self.policy.name)
+        self.policy.bind(capacity, block_size, cost_model)
+        self._track = track_recompute
+        self._seen: set[int] = set()
+        self._locks: set[LockHandle] = set()
+
+    def free_size(self) -> int:
+        """Slots on the free list, in tokens."""
+        return self.allocator.free_size()
+
+    @property
+    def total_capacity(self) -> int:
+        """Tokens the cache can hold in all its tiers: `capacity` for a GPU-only cache."""
+        return self.capacity
+
+    def outstanding_size(self) -> int:
+        """Slots handed out by `alloc` and not yet given back through `insert` or `free`."""
+        return self.allocator.outstanding_size()
+
+    def evictable_size(self) -> int:
+        """GPU tokens in the tree that no running request locks."""
+        return self.tree.evictable_tokens
+
+    def protected_size(self) -> int:
+        """GPU tokens in the tree on locked paths."""
+        return self.tree.protected_tokens
+
+    def match(self, tokens) -> MatchResult:
+        """Walk the tree along `tokens` (list or int64 array [n]) through blocks of any state.
+        Only whole blocks match. Bumps the recency of the matched path."""
+        tokens = int_array(tokens, "tokens")
+        tree, bs = self.tree, self.block_size
+        n_blocks = len(tokens) // bs
+        path = tree.commit(*tree.walk(tokens, n_blocks))
+        tree.touch(path)
+        spans = self._spans(path)
+        resident = [s for s in spans if s.state != BlockState.MISSING]
+        compute_from = resident[-1].end if resident else 0
+        holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
+        matched = path[-1].end if path else 0
+        seen = self._seen_until(tokens, path, matched, n_blocks)
+        recomputed = holes + ([(compute_from, seen)] if seen > compute_from else [])
+        return MatchResult(spans, holes, [s for s in spans if s.state == BlockState.CPU], compute_from,
+                           path[-1] if path else tree.root, len(tokens), matched,
+                           sum(len(s) for s in resident), recomputed, tree.epoch, self)
+
+    def is_fresh(self, match: MatchResult) -> bool:
+        """Whether `match` still describes the tree: nothing was evicted since it was made."""
+        return match.owner is self and match.epoch == self.tree.epoch and match.handle.alive
+
+    def lock(self, match: MatchResult) -> LockHandle:
+        """Protect the matched root path from eviction until `unlock`; counts the request in
+        `stats`. The match must be fresh (no eviction since it was made)."""
+        if not isinstance(match, MatchResult) or match.owner is not self:
+            raise UsageError("lock() takes a MatchResult returned by this cache's match()")
+        if match.n_tokens > self.capacity:
+            raise UsageError(f"a sequence of {match.n_tokens} tokens can never fit in a cache of "
+                             f"{self.capacity} tokens")
+        if not self.is_fresh(match):
+            raise UsageError("stale match: the cache evicted since this match; match again, then lock")
+        node = match.handle
+        self.tree.lock(node, +1)
+        handle = LockHandle(node, self, match)
+        self._locks.add(handle)
+        self._record(match)
+        return handle
+
+    def unlock(self, handle: LockHandle, admitted: bool = True) -> None:
+        """Release a lock taken by `lock`; a second unlock of the same handle raises.
+
+        `admitted=False`: the request was not served after all (its allocation failed); the
+        statistics `lock` counted for it are taken back, so a request retried later is counted
+        once."""
+        if not isinstance(handle, LockHandle) or handle.owner is not self:
+            raise UsageError("unlock() takes a handle returned by this cache's lock()")
+        if not handle.active:
+            raise UsageError("this handle is already unlocked")
+        if not isinstance(admitted, (bool, np.bool_)):
+            raise UsageError(f"admitted must be True or False, got {admitted!r}")
+        handle.active = False
+        if not admitted:
+            self._record(handle.match, sign=-1)
+        self._locks.discard(handle)
+        self.tree.lock(handle.node, -1)
+        if handle.node is not self.tree.root:
+            self.tree.prune(handle.node)
+
+    def alloc(self, n_tokens: int) -> np.ndarray:
+        """`n_tokens` free slots (int64 [n_tokens]), evicting as needed. Raises CacheFullError,
+        without evicting anything, when even evicting everything unlocked is not enough."""
+        n = count(n_tokens, "n_tokens")
+        if n > self.capacity:
+            raise UsageError(f"cannot allocate {n} slots in {self._pool_name} of {self.capacity} tokens")
+        check_alloc_memory(n)
+        self._make_room(n)
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise InvariantError(f"making room freed too little for {n} slots")
+        return slots
+
+    def free(self, slots) -> None:
+        """Return slots from `alloc` that will not be inserted."""
+        self.allocator.free(int_array(slots, "slots"))
+
+    def insert(self, tokens, slots) -> InsertResult:
+        """Cache `tokens` whose KV is in `slots` (`slots[i]` holds tokens[i]); takes every slot.
+
+        Blocks already resident keep their slots (different slots passed for them are freed);
+        holes on the path become resident with the passed slots; new whole blocks are added;
+        the partial last block's slots are freed."""
+        tokens = int_array(tokens, "tokens")
+        slots = int_array(slots, "slots")
+        if len(slots) != len(tokens):
+            raise UsageError(f"{len(tokens)} tokens but {len(slots)} slots")
+        if len(tokens) > self.capacity:
+            raise UsageError(f"a sequence of {len(tokens)} tokens can never fit in a cache of "
+                             f"{self.capacity} tokens")
+        tree, bs = self.tree, self.block_size
+        n_blocks = len(tokens) // bs
+        full = n_blocks * bs
+        path, last = tree.walk(tokens, n_blocks)
+        walked = path[-1].start + last * bs if path else 0
+        parts = [node.slots for node in path[:-1]] + ([path[-1].slots[:last * bs]] if path else [])
+        stored = np.concatenate(parts) if parts else _EMPTY
+        passed = slots[:walked]
+        differs = stored != passed
+        if any(node.n_resident < node.n_blocks for node in path):
+            missing = stored == NO_SLOT
+            refill, differs = passed[missing], differs & ~missing
+        else:
+            refill = _EMPTY
+        if any(node.n_gpu < node.n_resident for node in path):
+            # Blocks on the CPU tier keep their host copy: slots passed for them are duplicates,
+            # even where a GPU slot number happens to equal the host slot number.
+            on_cpu = np.concatenate([np.repeat(node.state == _CPU, bs) for node in path])[:walked]
+            differs |= on_cpu
+        # Usually the caller passes back the slots match() gave it: no duplicates to gather.
+        duplicates = passed[differs] if differs.any() else _EMPTY
+        kept = np.concatenate([refill, slots[walked:full]])
+        returned = np.concatenate([duplicates, slots[full:]])
+        self.allocator.check_outstanding(np.concatenate([kept, returned]))
+
+        path = tree.commit(path, last)
+        for node in path:
+            if node.n_resident < node.n_blocks:
+                blocks = np.flatnonzero(node.state == BlockState.MISSING)
+                where = (node.start + blocks[:, None] * bs + np.arange(bs)).ravel()
+                tree.refill(node, blocks, slots[where])
+        if walked < full:
+            leaf = tree.add_leaf(path[-1] if path else tree.root, tokens[walked:full], slots[walked:full])
+            path.append(leaf)
+            if self._track:
+                self._seen.update(leaf.hashes.tolist())
+        tree.touch(path)
+        self.allocator.adopt(kept)
+        if len(returned):
+            self.allocator.free(returned)
+        return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
+
+    def refill(self, handle: LockHandle, start: int, slots) -> np.ndarray:
+        """Make the MISSING blocks of positions [start, start + len(slots)) on `handle`'s locked
+        path GPU-resident with `slots` (`slots[i]` holds position start + i; whole blocks).
+
+        Blocks resident already keep their slots. Returns the path's slots for the range after
+        the call (int64): where they differ from `slots`, the passed slot was not taken and
+        stays the caller's to free."""
+        if not isinstance(handle, LockHandle) or handle.owner is not self or not handle.active:
+            raise UsageError("refill() takes an active handle returned by this cache's lock()")
+        slots = int_array(slots, "slots")
+        bs = self.block_size
+        start = count(start, "start")
+        end = start + len(slots)
+        if start % bs or end % bs:
+            raise UsageError(f"refill covers whole blocks of {bs} tokens, got [{start}, {end})")
+        path = self.tree.path_to_root(handle.node)
+        if end > (path[-1].end if path else 0):
+            raise UsageError(f"refill [{start}, {end}) runs past the locked path's end")
+        taken = []
+        for node in path:
+            lo, hi = max(start, node.start), min(end, node.end)
+            if lo >= hi:
+                continue
+            blocks = np.arange((lo - node.start) // bs, (hi - node.start) // bs)
+            if (node.state[blocks] == _CPU).any():
+                raise UsageError(f"refill [{start}, {end}) covers blocks on the CPU tier: load them first")
+            blocks = blocks[node.state[blocks] == _MISSING]
+            if len(blocks):
+                where = (node.start - start + blocks[:, None] * bs + np.arange(bs)).ravel()
+                taken.append((node, blocks, slots[where]))
+        new = np.concatenate([s for _, _, s in taken]) if taken else _EMPTY
+        self.allocator.check_outstanding(new)
+        for node, blocks, block_slots in taken:
+            self.tree.refill(node, blocks, block_slots)
+        self.allocator.adopt(new)
+        out = np.empty(len(slots), dtype=np.int64)
+        for node in path:
+            lo, hi = max(start, node.start), min(end, node.end)
+            if lo < hi:
+                out[lo - start:hi - start] = node.slots[lo - node.start:hi - node.start]
+        return out
+
+    def hint(self, tokens, hint: Hint) -> None:
+        """Tell the policy about a request of `tokens` (list or int64 array): it `arrived`, or it
+        `finished` and its session now waits for a tool or a person (`penelope.cache.hints.Hint`).
+        Changes no block; policies that do not read hints ignore it. Foresight is refused unless
+        the policy is an offline reference that asks for it (`uses_foresight`)."""
+        if not isinstance(hint, Hint):
+            raise UsageError(f"hint() takes a penelope.cache.hints.Hint, got {type(hint).__name__}")
+        if hint.foresight is not None and not self.policy.uses_foresight:
+            raise UsageError(f"policy {self.policy.name!r} decides without knowing the future: "
+                             "a hint with foresight is for the offline oracle only")
+        self.policy.observe(self.tree, int_array(tokens, "tokens"), hint)
+
+    def advance(self, now: float) -> None:
+        """The caller's clock reads `now` seconds (monotonic): time-based policy rules use it."""
+        self.policy.advance(float(now))
+
+    def evict(self, n_tokens: int) -> EvictResult:
+        """Free at least `n_tokens` GPU tokens (rounded up to blocks), or all that are evictable.
+        Evicting 0 is always safe."""
+        n = count(n_tokens, "n_tokens")
+        if n == 0:
+            return EvictResult(0, _EMPTY, [])
+        return self._evict_blocks(-(-n // self.block_size))
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless the tree, the locks, the allocator and the accounting
+        (free + evictable + protected + held by callers == capacity) are consistent."""
+        expected: dict[int, int] = {}
+        for handle in self._locks:
+            for node in self.tree.path_to_root(handle.node):
+                expected[node.id] = expected.get(node.id, 0) + 1
+        cached = self.tree.check(expected)
+        self.allocator.check(cached)
+        outstanding = self.outstanding_size()
+        total = self.free_size() + self.evictable_size() + self.protected_size() + outstanding
+        if total != self.capacity:
+            raise InvariantError(f"free {self.free_size()} + evictable {self.evictable_size()} + protected "
+                                 f"{self.protected_size()} + held {outstanding} != capacity {self.capacity}")
+
+    # How `alloc`'s errors name the pool it allocates from, and its slots.
+    _pool_name, _slots_name = "a cache", "slots"
+
+    def _shortfall(self, n: int) -> int:
+        """Slots missing for `n` free ones; CacheFullError when unlocked KV cannot cover them."""
+        short = n - self.allocator.free_size()
+        if short > self.tree.evictable_tokens:
+            raise CacheFullError(f"need {n} {self._slots_name}: {self.allocator.free_size()} free, "
+                                 f"{self.tree.evictable_tokens} evictable, "
+                                 f"{self.tree.protected_tokens} locked by running requests")
+        return short
+
+    def _make_room(self, n: int):
+        """Evict, in the policy's order, until at least `n` slots are free."""
+        short = self._shortfall(n)
+        if short > 0:
+            self._evict_blocks(-(-short // self.block_size))
+
+    def _evict_blocks(self, n_blocks: int) -> EvictResult:
+        released = self.policy.evict(self.tree, n_blocks)
+        slots = np.concatenate(released.gpu_slots, dtype=np.int64) if released.gpu_slots else _EMPTY
+        self.allocator.release(slots)
+        self.stats.evict_calls += 1
+        self.stats.evicted_tokens += len(slots)
+        hashes = np.concatenate(released.hashes) if released.hashes else _NO_HASHES
+        return EvictResult(len(slots), slots, released.ranges, hashes)
+
+    def _spans(self, path: list[Node]) -> list[Span]:
+        """Merge the per-block states of the path into maximal runs of one state."""
+        bs = self.block_size
+        runs: list[list] = []  # [state, start, end, slot arrays]
+        for node in path:
+            k = len(node.state)
+            if node.n_gpu == k or node.n_resident == 0:
+                # The common case, a node in one state: no per-block work.
+                pieces = ((_GPU if node.n_gpu else _MISSING, 0, k),)
+            else:
+                cuts = [0, *(np.flatnonzero(np.diff(node.state)) + 1).tolist(), k]
+                pieces = [(int(node.state[a]), a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+            for state, first, stop in pieces:
+                if not runs or runs[-1][0] != state:
+                    runs.append([state, node.start + first * bs, 0, []])
+                run = runs[-1]
+                run[2] = node.start + stop * bs
+                if state != _MISSING:
+                    run[3].append(node.slots if stop - first == k else node.slots[first * bs:stop * bs])
+        return [Span(start, end, BlockState(state), np.concatenate(parts, dtype=np.int64) if parts else _EMPTY)
+                for state, start, end, parts in runs]
+
+    def _seen_until(self, tokens: np.ndarray, path: list[Node], matched: int, n_blocks: int) -> int:
+        """End of the prefix of `tokens` that was ever inserted (at least `matched`)."""
+        bs = self.block_size
+        if not self._track or matched >= n_blocks * bs:
+            return matched
+        base = int(path[-1].hashes[-1]) if path else 0
+        hasher = self.tree.hasher
+        # Check one block first: most requests' unmatched tokens are new.
+        if int(hasher.extend(base, matched // bs, tokens[matched:matched + bs])[0]) not in self._seen:
+            return matched
+        known = 0
+        for value in hasher.extend(base, matched // bs, tokens[matched:n_blocks * bs]).tolist():
+            if value not in self._seen:
+                break
+            known += 1
+        return matched + known * bs
+
+    def _record(self, match: MatchResult, sign: int = 1) -> None:
+        """Count an admitted request's tokens and costs in `stats` (`sign=-1` takes them back)."""
+        stats = self.stats
+        stats.requests += sign
+        stats.hit_tokens += sign * match.hit_tokens
+        stats.missed_tokens += sign * (match.n_tokens - match.hit_tokens)
+        stats.hole_tokens += sign * sum(end - start for start, end in match.holes)
+        stats.recomputed_tokens += sign * sum(end - start for start, end in match.recomputed)
+        if self.cost_model is not None:
+            computed = match.holes + [(match.compute_from, match.n_tokens)]
+            stats.missed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
+            stats.recomputed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
