@@ -11,4 +11,5 @@
   reference engine, the simulator and the SGLang adapter; `phantom`: the batch layout of
   phantom refills; `refill`: refilling holes under a chunk budget.
 - `baselines`: caches that imitate other systems (the HiCache-like two-tier cache).
+- `arguments`: the checks of the public methods' arguments (one UsageError each).
 """

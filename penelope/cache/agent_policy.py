@@ -45,7 +45,7 @@ import math
 import numpy as np
 
 from penelope.cache.hints import ARRIVED, TOOL, WaitBook, Waiting
-from penelope.cache.policy import EvictionPolicy, _PrivateHeadPolicy, _TailPolicy, register
+from penelope.cache.policy import EvictionPolicy, PrivateHeadPolicy, TailPolicy, register
 from penelope.cache.tree import BlockState, Node, RadixTree, Released
 
 _MISSING = int(BlockState.MISSING)
@@ -113,16 +113,8 @@ class HintedPolicy(EvictionPolicy):
         return self.deleted_cost / elapsed if elapsed > 0 else 0.0
 
 
-def _chain(tree: RadixTree, start: Node, end: Node) -> list[Node]:
-    """Nodes from `start` down to `end`, each the only child of the one before."""
-    chain = [start]
-    while chain[-1] is not end:
-        chain.append(next(iter(chain[-1].children.values())))
-    return chain
-
-
 @register("ttl")
-class TtlPolicy(HintedPolicy, _TailPolicy):
+class TtlPolicy(HintedPolicy, TailPolicy):
     """Continuum-style time-to-live pins after tool calls over SGLang's eviction (see the module
     docstring)."""
 
@@ -138,7 +130,7 @@ class TtlPolicy(HintedPolicy, _TailPolicy):
         if not len(waits):
             # Cold start: no tool wait observed yet, nothing to size a pin with.
             return 0.0
-        private = _PrivateHeadPolicy.first_node(self, tree, end).start
+        private = PrivateHeadPolicy.first_node(self, tree, end).start
         held = end.end - private
         benefit = self.cost_model.span_cost(private, end.end) * (1 + self.book.in_system)
         hold_cost = held / max(self.capacity, 1) * self.deleted_cost_rate()
@@ -153,7 +145,7 @@ class TtlPolicy(HintedPolicy, _TailPolicy):
 
 
 @register("flop-recency")
-class FlopRecency(_TailPolicy):
+class FlopRecency(TailPolicy):
     """Marconi-style utility: normalized recency + alpha * normalized recompute cost saved per
     token held, whole leaves from the tail (see the module docstring)."""
 
@@ -182,11 +174,11 @@ class FlopRecency(_TailPolicy):
         return self.cost_model.span_cost(node.start, node.end) / max(node.end - node.start, 1)
 
 
-def front_block_cost(policy: EvictionPolicy, tree: RadixTree, node: Node) -> float:
-    """Recompute cost of the next block Penelope's eviction would take from the private history
-    that ends at `node` (its first resident block); 0 when none is resident."""
+def front_block_cost(policy: PrivateHeadPolicy, tree: RadixTree, node: Node) -> float:
+    """Recompute cost of the next block `policy` (Penelope's eviction point) would take from the
+    private history that ends at `node` (its first resident block); 0 when none is resident."""
     bs = tree.block_size
-    for part in _chain(tree, _PrivateHeadPolicy.first_node(policy, tree, node), node):
+    for part in policy.victim_nodes(tree, node):
         resident = np.flatnonzero(part.state != _MISSING)
         if len(resident):
             position = part.start + int(resident[0]) * bs
@@ -195,7 +187,7 @@ def front_block_cost(policy: EvictionPolicy, tree: RadixTree, node: Node) -> flo
 
 
 @register("penelope-agent")
-class PenelopeAgent(HintedPolicy, _PrivateHeadPolicy):
+class PenelopeAgent(HintedPolicy, PrivateHeadPolicy):
     """Penelope's eviction point, the victim session by expected loss (see the module docstring)."""
 
     whole_node = False
@@ -233,7 +225,7 @@ class PenelopeAgent(HintedPolicy, _PrivateHeadPolicy):
 
 
 @register("oracle")
-class Oracle(HintedPolicy, _PrivateHeadPolicy):
+class Oracle(HintedPolicy, PrivateHeadPolicy):
     """Offline reference: dead blocks first, then cost-aware farthest next use, from the front of
     the private history (see the module docstring). Needs `Foresight` in its finished hints."""
 

@@ -175,7 +175,7 @@ class EvictionPolicy:
         raise NotImplementedError
 
 
-class _TailPolicy(EvictionPolicy):
+class TailPolicy(EvictionPolicy):
     """Delete blocks from the end of the leaf: nothing is left behind, no holes appear."""
 
     from_tail = True
@@ -186,7 +186,7 @@ class _TailPolicy(EvictionPolicy):
         return leaf if leaf.alive else parent
 
 
-class _HeadPolicy(EvictionPolicy):
+class HeadPolicy(EvictionPolicy):
     """Turn the front of a history into a hole, continuing forward along it toward the leaf."""
 
     def _evict_leaf(self, tree, leaf, need, out):
@@ -201,7 +201,7 @@ class _HeadPolicy(EvictionPolicy):
         return leaf
 
 
-class _PrivateHeadPolicy(_HeadPolicy):
+class PrivateHeadPolicy(HeadPolicy):
     def first_node(self, tree: RadixTree, leaf: Node) -> Node:
         """Walk from the leaf toward the root to the earliest evictable block of its private
         history: stop before a parent that is the root, is shared (more than one child), is
@@ -216,32 +216,32 @@ class _PrivateHeadPolicy(_HeadPolicy):
 
 
 @register("leaf-tail-node", "sglang")
-class LeafTailNode(_TailPolicy):
+class LeafTailNode(TailPolicy):
     whole_node = True
 
 
 @register("leaf-tail-block")
-class LeafTailBlock(_TailPolicy):
+class LeafTailBlock(TailPolicy):
     whole_node = False
 
 
 @register("leaf-head-node")
-class LeafHeadNode(_HeadPolicy):
+class LeafHeadNode(HeadPolicy):
     whole_node = True
 
 
 @register("leaf-head-block")
-class LeafHeadBlock(_HeadPolicy):
+class LeafHeadBlock(HeadPolicy):
     whole_node = False
 
 
 @register("private-head-node")
-class PrivateHeadNode(_PrivateHeadPolicy):
+class PrivateHeadNode(PrivateHeadPolicy):
     whole_node = True
 
 
 @register("private-head-block", "penelope")
-class PrivateHeadBlock(_PrivateHeadPolicy):
+class PrivateHeadBlock(PrivateHeadPolicy):
     whole_node = False
 
 
