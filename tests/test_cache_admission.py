@@ -154,3 +154,35 @@ def test_sglang_slots_implement_the_device_interface():
 
     for name in [n for n in vars(DeviceSlots) if not n.startswith("_")] + ["free_size", "alloc", "release", "check"]:
         assert callable(getattr(SGLangSlots, name)), name
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"reserve": -1}, "reserve must be a non-negative integer"),
+    ({"reserve": 1.5}, "reserve must be a non-negative integer"),
+    ({"match_tokens": 9}, "match_tokens 9 is beyond the request's 8 tokens"),
+    ({"match_tokens": -1}, "match_tokens must be a non-negative integer"),
+])
+def test_admit_refuses_bad_arguments_before_anything_changes(kwargs, message):
+    cache = KVCache(32, block_size=BS)
+    history(cache, 0, 8)
+    before = snapshot(cache)
+    with pytest.raises(UsageError, match=message):
+        admit(cache, np.arange(8), **kwargs)
+    with pytest.raises(UsageError, match="tokens must be a 1-D sequence of integers"):
+        admit(cache, [[1, 2]])
+    assert snapshot(cache) == before
+
+
+def test_a_cache_refuses_an_allocator_without_the_device_interface():
+    class HalfPool:
+        capacity = 32
+
+        def free_size(self):
+            return 32
+
+        def alloc(self, n):
+            return None
+
+    with pytest.raises(UsageError, match="lacks the penelope.cache.slots.DeviceSlots interface"):
+        KVCache(32, block_size=BS, allocator=HalfPool())
+    assert isinstance(SlotAllocator(32), DeviceSlots) and not isinstance(HostSlots(32), DeviceSlots)

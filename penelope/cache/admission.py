@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from penelope.cache.arguments import count, int_array
 from penelope.cache.host_tier import LoadResult, TieredCache
 from penelope.cache.manager import KVCache, LockHandle, MatchResult, Span
 from penelope.cache.tree import BlockState
@@ -59,10 +60,13 @@ def admit(cache: KVCache, tokens, match_tokens: int | None = None, reserve: int 
     `match_tokens`: match only the first `match_tokens` tokens (SGLang matches a prompt without
     its last token); default all. `reserve`: slots to allocate beyond the computed positions
     (a reply's). Raises CacheFullError (nothing locked) when the request cannot fit now."""
-    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    tokens = int_array(tokens, "tokens")
     n = len(tokens)
     if n == 0:
         raise UsageError("a request needs at least one token")
+    reserve = count(reserve, "reserve")
+    if match_tokens is not None and count(match_tokens, "match_tokens") > n:
+        raise UsageError(f"match_tokens {match_tokens} is beyond the request's {n} tokens")
     match = cache.match(tokens if match_tokens is None else tokens[:match_tokens])
     compute_from = min(match.compute_from, n - 1)
     computed = [*match.holes, (compute_from, n)]

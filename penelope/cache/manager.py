@@ -159,6 +159,10 @@ class KVCache:
         self.policy = policy if isinstance(policy, EvictionPolicy) else get_policy(policy)
         if cost_model is not None and not isinstance(cost_model, RecomputeCost):
             raise UsageError("cost_model must have a span_cost(start, end) method")
+        if allocator is not None and not isinstance(allocator, DeviceSlots):
+            raise UsageError(f"allocator {type(allocator).__name__} lacks the penelope.cache.slots.DeviceSlots "
+                             "interface (capacity, free_size, alloc, release, check, outstanding_size, "
+                             "check_outstanding, free, adopt)")
         if allocator is not None and allocator.capacity != capacity:
             raise UsageError(f"allocator capacity {allocator.capacity} differs from cache capacity {capacity}")
         self.capacity = capacity

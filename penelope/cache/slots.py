@@ -15,7 +15,7 @@ a pool of 2**30 slots costs nothing until it is used.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class SlotPool(Protocol):
         """Raise InvariantError unless the pool's records agree with the rows the tree holds."""
 
 
+@runtime_checkable
 class DeviceSlots(SlotPool, Protocol):
     """The device pool's interface: `SlotPool` plus the rows callers hold between `alloc` and
     `insert` (the checks may be no-ops for a pool whose owner tracks them)."""
