@@ -9,7 +9,7 @@ tokens arrive. The next request is timed both ways:
 - tail: one segment, the recomputed tail and the new tokens ``[0.7n, n + 512)``.
 
 Both compute the same number of tokens; only their positions differ, so the tail pays more
-attention. ``penelope.costmodel.cost.predict_speedup`` predicts the ratio tail / front from the model
+attention. ``penelope.costmodel.recompute.predict_speedup`` predicts the ratio tail / front from the model
 shape that actually ran; each result reports both times, the measured and predicted speedups and
 their relative error. The paper measured 1.14x at 8K and 2.93x at 128K (Qwen3-8B, H100), with the
 model within 4%.
@@ -66,8 +66,8 @@ import pytest
 import torch
 from timing import elapsed
 
-from penelope.costmodel.cost import CostModel, predict_speedup
 from penelope.costmodel.hf_configs import BUILTIN_CONFIGS
+from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import ModelShape, shape_from_config
 from penelope.engine.attention import AttentionBackend, tiled_sdpa_attention, torch_store_kv
 from penelope.engine.decoder import EngineBatch, Qwen3Decoder

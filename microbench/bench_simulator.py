@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.run import SimConfig, ablation_policies, default_gpu_cache, run_policies
 from penelope.sim.timemodel import TimeModel

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from penelope.cache.manager import KVCache
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.ensemble import run_ensembles
 from penelope.sim.mooncake import load_mooncake

@@ -172,7 +172,7 @@ def test_stats_recognize_tokens_the_policy_deleted():
 
 
 def test_stats_with_the_real_cost_model():
-    from penelope.costmodel.cost import CostModel
+    from penelope.costmodel.recompute import CostModel
     from penelope.costmodel.shapes import get_model
 
     cm = CostModel(get_model("qwen3-8b"))

@@ -13,7 +13,7 @@ import pytest
 
 from penelope.cache.manager import KVCache
 from penelope.cache.policy import policy_names
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.replay import Replay
 from penelope.sim.synthetic import SyntheticConfig, generate

@@ -13,7 +13,7 @@ from penelope.cache.manager import KVCache
 from penelope.cache.tiers import TwoTierCache
 from penelope.cache.tree import BlockState
 from penelope.cli import main
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.run import SimConfig, make_cache

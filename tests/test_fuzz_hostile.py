@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from penelope.cache.manager import KVCache
 from penelope.cli import main
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.mooncake import load_mooncake
 from penelope.sim.replay import Replay

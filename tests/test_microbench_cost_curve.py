@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model
 from penelope.engine.attention import tiled_sdpa_attention
 from penelope.engine.decoder import EngineBatch

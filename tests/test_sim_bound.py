@@ -9,7 +9,7 @@ import pytest
 from penelope.cache.manager import KVCache
 from penelope.cache.policy import policy_names
 from penelope.cache.tiers import TwoTierCache
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.bound import recompute_bound
 from penelope.sim.replay import Replay

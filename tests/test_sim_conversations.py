@@ -6,7 +6,7 @@ import json
 import pytest
 
 from penelope.cli import main
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.conversations import apply, by_prefix

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.ensemble import Ensemble, run_ensembles

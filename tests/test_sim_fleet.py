@@ -9,7 +9,7 @@ import pytest
 from test_sim_replay import COST, request, simple_time_model, workload
 
 from penelope.cache.manager import KVCache
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.ensemble import run_ensembles

@@ -8,7 +8,7 @@ import pytest
 from trace_paths import WEKA_TRACES
 
 from penelope.cache.manager import KVCache
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.analysis import unbounded_hit_rate
 from penelope.sim.metrics import session_jcts, summarize

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.timemodel import CALIBRATION_KEYS, TimeModel

@@ -191,7 +191,7 @@ def check(model: str, spec: EngineCheck, timeout: float = 900, progress=None) ->
 
 def _c_lin(model: str) -> float | None:
     """The model's linear cost per token in attention-pair units (None if its config is unreadable)."""
-    from penelope.costmodel.cost import CostModel
+    from penelope.costmodel.recompute import CostModel
     from penelope.costmodel.shapes import get_model
 
     try:

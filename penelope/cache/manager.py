@@ -25,7 +25,7 @@ from penelope.cache.hints import Hint
 from penelope.cache.policy import EvictionPolicy, get_policy
 from penelope.cache.slots import DeviceSlots, SlotAllocator
 from penelope.cache.tree import NO_SLOT, BlockState, Node, RadixTree
-from penelope.costmodel.cost import RecomputeCost
+from penelope.costmodel.recompute import RecomputeCost
 from penelope.errors import CacheFullError, InvariantError, UsageError
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -134,7 +134,7 @@ class KVCache:
 
     `policy`: a registered name (see `penelope.cache.policy.policy_names`) or an EvictionPolicy (one
     object per cache: policies may keep state).
-    `cost_model`: a `penelope.costmodel.cost.RecomputeCost`, for statistics and the policies that
+    `cost_model`: a `penelope.costmodel.recompute.RecomputeCost`, for statistics and the policies that
     weigh recompute cost (without one, every token costs the same to them).
     `allocator`: the slot pool, a `penelope.cache.slots.DeviceSlots` of the same capacity
     (default: a new `SlotAllocator`).

@@ -25,7 +25,7 @@ import heapq
 from typing import ClassVar
 
 from penelope.cache.tree import Node, RadixTree, Released
-from penelope.costmodel.cost import RecomputeCost, TokenCost
+from penelope.costmodel.recompute import RecomputeCost, TokenCost
 from penelope.errors import UsageError
 
 # The six policies of the paper's ablation grid, SGLang's first.

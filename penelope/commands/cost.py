@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model, model_path
 from penelope.outputs import check_outputs, save_figure, write_text
 from penelope.tables import format_table

@@ -250,7 +250,7 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     processes, `repeat` runs of `policies` policies per setting) is checked before they start."""
     import dataclasses
 
-    from penelope.costmodel.cost import CostModel
+    from penelope.costmodel.recompute import CostModel
     from penelope.costmodel.shapes import get_model
     from penelope.errors import UsageError
     from penelope.memory import check_memory

@@ -34,7 +34,7 @@ def fit_calibration(points, model: str, gpu: str | None, source: str) -> dict:
     """Fit the time model's prefill constants to measured batches.
 
     points: ``(linear_units, attention_pairs, seconds)`` per timed prefill batch, units as in
-    ``penelope.costmodel.cost`` (``linear_units = c_lin * tokens``): ``seconds = batch_overhead +
+    ``penelope.costmodel.recompute`` (``linear_units = c_lin * tokens``): ``seconds = batch_overhead +
     sec_per_linear_unit * linear_units + sec_per_attention_pair * pairs`` with non-negative
     constants, each point weighed by 1 / seconds (relative errors). Constants the data cannot
     determine (a zero fit) are left out, so the simulator keeps its estimate for them.

@@ -26,7 +26,7 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.errors import UsageError
 from penelope.sim.bracket import DISTANCE_FIELDS, compare_with_oracle
 from penelope.sim.metrics import CHANGE_FIELDS, Summary

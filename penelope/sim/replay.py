@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from penelope.cache.hints import FINISHED, Foresight, Hint
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.errors import UsageError
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.router import Router

@@ -23,7 +23,7 @@ from penelope.cache.host_tier import TieredCache
 from penelope.cache.manager import CacheStats, KVCache
 from penelope.cache.policy import PAPER_GRID, get_policy, policy_names
 from penelope.cache.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import ModelShape, get_model
 from penelope.errors import UsageError
 from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound

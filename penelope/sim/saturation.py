@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.errors import UsageError
 from penelope.sim.analysis import unbounded_reuse
 from penelope.sim.timemodel import TimeModel

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from penelope.cache.hints import ARRIVED, Hint
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.errors import InvariantError
 from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Chunk, Job, Scheduler
 from penelope.sim.timemodel import TimeModel

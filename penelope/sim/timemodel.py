@@ -1,6 +1,6 @@
 """Serving-time model of the simulator: seconds for a prefill batch, a decode step, a CPU->GPU load.
 
-Prefill is compute-bound and follows the cost model (`penelope.costmodel.cost`): a batch computing
+Prefill is compute-bound and follows the cost model (`penelope.costmodel.recompute`): a batch computing
 `tokens` new positions whose attention spans `pairs` query-key pairs (the cost model's unit, summed
 over layers and heads) takes
 
@@ -86,7 +86,7 @@ from pathlib import Path
 
 import numpy as np
 
-from penelope.costmodel.cost import CostModel
+from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import SLIDING, ModelShape, get_model
 from penelope.errors import UsageError
 from penelope.jsonfile import read_json

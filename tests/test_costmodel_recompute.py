@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from penelope.costmodel.cost import CostModel, predict_speedup
+from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import KNOWN_MODELS, get_model, shape_from_config
 from penelope.errors import UsageError
 
