@@ -249,7 +249,7 @@ def _fa3_runner(batch):
 
 RUNNERS = {"penelope": _penelope_runner, "sglang": _sglang_runner, "flashinfer": _flashinfer_runner,
            "fa3": _fa3_runner}
-# Goals (issue 15): >= 1.3x SGLang's Triton extend kernel on phantom + new-token batches, >= 1.0x on
+# Goals: >= 1.3x SGLang's Triton extend kernel on phantom + new-token batches, >= 1.0x on
 # single-segment batches.
 GOAL_VS_SGLANG = {"front": 1.3, "tail": 1.0}
 

@@ -186,3 +186,48 @@ def test_a_cache_refuses_an_allocator_without_the_device_interface():
     with pytest.raises(UsageError, match="lacks the penelope.cache.slots.DeviceSlots interface"):
         KVCache(32, block_size=BS, allocator=HalfPool())
     assert isinstance(SlotAllocator(32), DeviceSlots) and not isinstance(HostSlots(32), DeviceSlots)
+
+
+@pytest.mark.parametrize("tokens, kwargs", [(5000, {"match_tokens": 100}), (32, {"reserve": 1}),
+                                            (8, {"reserve": 2**40})])
+def test_admit_says_never_when_the_request_can_never_fit(tokens, kwargs):
+    """A request larger than the GPU pool (its tokens and reserve) is a UsageError, not a
+    CacheFullError a caller would retry forever, whatever part of it is matched."""
+    cache = KVCache(32, block_size=BS)
+    with pytest.raises(UsageError, match="can never fit in a cache of 32 tokens"):
+        admit(cache, np.arange(tokens), **kwargs)
+    assert cache.protected_size() == 0 and cache.stats.requests == 0
+
+
+def test_a_policy_object_serves_one_cache():
+    from penelope.cache.policy import get_policy
+
+    policy = get_policy("penelope-agent")
+    first = KVCache(64, block_size=BS, policy=policy)
+    with pytest.raises(UsageError, match="already serves another cache"):
+        KVCache(1024, block_size=BS, policy=policy)
+    assert policy.capacity == 64 and policy.owner is first
+    # A cache that failed its own checks does not claim the policy.
+    spare = get_policy("penelope")
+    with pytest.raises(UsageError):
+        KVCache(64, block_size=BS, policy=spare, cost_model=object())
+    assert KVCache(64, block_size=BS, policy=spare).policy is spare
+    # A tiered cache sizes its policy by both tiers.
+    assert TwoTierCache(64, 64, block_size=BS, swap_buffer=BS).policy.capacity == 128
+
+
+def test_the_packages_export_their_main_names():
+    import penelope.cache as cache_package
+    import penelope.costmodel as costmodel_package
+    from penelope.cache import HiCacheLikeCache, TieredCache, get_policy, policy_names
+    from penelope.cache import KVCache as Exported
+    from penelope.cache.baselines.hicache import HiCacheLikeCache as FromModule
+    from penelope.costmodel import CostModel, RecomputeCost, get_model
+    from penelope.costmodel.recompute import CostModel as CostFromModule
+
+    assert Exported is KVCache and HiCacheLikeCache is FromModule and CostModel is CostFromModule
+    assert issubclass(TwoTierCache, TieredCache) and isinstance(CostModel(get_model("qwen3-8b")), RecomputeCost)
+    assert callable(get_policy) and "penelope" in policy_names(aliases=True)
+    for package in (cache_package, costmodel_package):
+        with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+            package.Nope  # noqa: B018

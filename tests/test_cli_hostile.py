@@ -1,4 +1,4 @@
-"""Hostile input through the CLI (issue 14): every example of the issue is one line naming the input
+"""Hostile input through the CLI: every example is one line naming the input
 with exit code 2, checked before any work, and nothing is written."""
 import json
 import os

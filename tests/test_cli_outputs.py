@@ -1,4 +1,4 @@
-"""Output files (issue 14): checked before any work, never an input or each other, written whole;
+"""Output files: checked before any work, never an input or each other, written whole;
 Ctrl-C keeps the capacities that finished."""
 import json
 import os

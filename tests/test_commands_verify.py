@@ -9,6 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -247,3 +249,14 @@ def test_two_tier_cache_on_the_triton_kernel():
     report = verify(dataclasses.replace(TWO_TIER, attention="triton", copy="triton"))
     assert_identical_with_phantoms(report, requests=9)
     assert_every_tier_move(report)
+
+
+def test_verify_without_torch_is_one_line():
+    """A user who installed penelope-kv without the torch extra gets one line saying what to
+    install (exit 2), not a traceback."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from penelope.cli import main\n"
+            "sys.exit(main(['verify', '--sessions', '1']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "penelope: error: verify runs a model and needs torch: pip install 'penelope-kv[torch]'\n"

@@ -13,3 +13,23 @@
 - `baselines`: caches that imitate other systems (the HiCache-like two-tier cache).
 - `arguments`: the checks of the public methods' arguments (one UsageError each).
 """
+
+# The names most callers want, importable from the package (loaded on first use, so importing
+# one module of the package does not import them all).
+_EXPORTS = {
+    "KVCache": "manager", "TieredCache": "host_tier", "TwoTierCache": "tiers",
+    "HiCacheLikeCache": "baselines.hicache", "admit": "admission", "get_policy": "policy",
+    "policy_names": "policy",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'penelope.cache' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"penelope.cache.{_EXPORTS[name]}"), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

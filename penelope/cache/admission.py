@@ -59,7 +59,8 @@ def admit(cache: KVCache, tokens, match_tokens: int | None = None, reserve: int 
 
     `match_tokens`: match only the first `match_tokens` tokens (SGLang matches a prompt without
     its last token); default all. `reserve`: slots to allocate beyond the computed positions
-    (a reply's). Raises CacheFullError (nothing locked) when the request cannot fit now."""
+    (a reply's). Raises UsageError when the request could never fit (its tokens and the reserve
+    exceed the GPU capacity) and CacheFullError (nothing locked) when it cannot fit now."""
     tokens = int_array(tokens, "tokens")
     n = len(tokens)
     if n == 0:
@@ -67,14 +68,16 @@ def admit(cache: KVCache, tokens, match_tokens: int | None = None, reserve: int 
     reserve = count(reserve, "reserve")
     if match_tokens is not None and count(match_tokens, "match_tokens") > n:
         raise UsageError(f"match_tokens {match_tokens} is beyond the request's {n} tokens")
+    if n + reserve > cache.capacity:
+        raise UsageError(f"a request of {n} tokens{f' and {reserve} reserved slots' if reserve else ''} can never "
+                         f"fit in a cache of {cache.capacity} tokens")
     match = cache.match(tokens if match_tokens is None else tokens[:match_tokens])
     compute_from = min(match.compute_from, n - 1)
     computed = [*match.holes, (compute_from, n)]
     need = sum(end - start for start, end in computed) + reserve
     to_load = sum(len(span) for span in match.loads)
-    # Locking only turns evictable tokens into protected ones, so this bound is necessary. (A
-    # sequence longer than the cache is left to `lock`, which says it can never fit.)
-    if match.n_tokens <= cache.capacity and need + to_load > cache.free_size() + cache.evictable_size():
+    # Locking only turns evictable tokens into protected ones, so this bound is necessary.
+    if need + to_load > cache.free_size() + cache.evictable_size():
         raise CacheFullError(f"a request of {n} tokens needs {need + to_load} GPU slots now; "
                              f"{cache.free_size()} are free and {cache.evictable_size()} evictable")
     handle = cache.lock(match)

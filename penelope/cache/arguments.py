@@ -9,7 +9,6 @@ import numpy as np
 from penelope.errors import UsageError
 from penelope.memory import check_memory
 
-_EMPTY = np.empty(0, dtype=np.int64)
 _INT64_MAX = np.iinfo(np.int64).max
 # Bytes `alloc(n)` takes per slot: the int64 result, an int64 temporary and the int8 owner tag.
 _ALLOC_BYTES_PER_SLOT = 17
@@ -41,7 +40,7 @@ def int_array(values, what: str) -> np.ndarray:
     except (TypeError, ValueError) as error:
         raise UsageError(f"{what} must be a 1-D sequence of integers ({error})") from None
     if array.size == 0 and array.ndim == 1:
-        return _EMPTY
+        return np.empty(0, dtype=np.int64)
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise UsageError(f"{what} must be a 1-D sequence of integers, got {array.dtype} with shape {array.shape}")
     if array.dtype.kind == "u" and array.size and int(array.max()) > _INT64_MAX:

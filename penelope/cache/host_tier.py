@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from penelope.cache.arguments import count
-from penelope.cache.manager import EvictResult, KVCache, LockHandle, Span
+from penelope.cache.manager import NO_HASHES, EvictResult, KVCache, LockHandle, Span
 from penelope.cache.slots import EMPTY_SLOTS, HostSlots, concat_slots
 from penelope.cache.tree import BlockState, Released
 from penelope.errors import InvariantError, UsageError
@@ -159,11 +159,11 @@ class TieredCache(KVCache, ABC):
     `host_rows = cpu_capacity + swap_buffer` rows. `keep_plans`: queue the plans of moves for
     `take_plans` (a simulator that only counts can turn it off). Other arguments as `KVCache`."""
 
-    _pool_name, _slots_name = "a GPU tier", "GPU slots"
+    _capacity_name, _pool_name, _slots_name = "gpu_capacity", "a GPU tier", "GPU slots"
     # Whether the cache exchanges blocks through a swap buffer (then at least one block of it).
     needs_swap_buffer: ClassVar[bool] = False
 
-    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, policy="penelope",
+    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, policy="penelope",
                  cost_model=None, allocator=None, track_recompute: bool = True, keep_plans: bool = True,
                  swap_buffer: int = 0):
         super().__init__(gpu_capacity, block_size, policy, cost_model, allocator, track_recompute)
@@ -185,6 +185,8 @@ class TieredCache(KVCache, ABC):
         self.counters = TierCounters()
         self.keep_plans = keep_plans
         self._plans: list[TierPlan] = []
+        # One eviction order over both tiers: the policy sizes its rules by the logical capacity.
+        self.policy.bind(self.total_capacity, self.block_size, cost_model)
 
     @abstractmethod
     def load(self, handle: LockHandle) -> LoadResult:
@@ -228,7 +230,7 @@ class TieredCache(KVCache, ABC):
             return EvictResult(0, EMPTY_SLOTS, [])
         before = self.free_size()
         released = self._make_room(before + n)
-        hashes = np.concatenate(released.hashes) if released.hashes else np.empty(0, dtype=np.uint64)
+        hashes = np.concatenate(released.hashes) if released.hashes else NO_HASHES
         return EvictResult(self.free_size() - before, concat_slots(released.gpu_slots), released.ranges, hashes)
 
     def _host_alloc(self, n: int) -> np.ndarray:

@@ -23,13 +23,12 @@ import numpy as np
 from penelope.cache.arguments import check_alloc_memory, count, int_array
 from penelope.cache.hints import Hint
 from penelope.cache.policy import EvictionPolicy, get_policy
-from penelope.cache.slots import DeviceSlots, SlotAllocator
+from penelope.cache.slots import EMPTY_SLOTS, DeviceSlots, SlotAllocator
 from penelope.cache.tree import NO_SLOT, BlockState, Node, RadixTree
 from penelope.costmodel.recompute import RecomputeCost
 from penelope.errors import CacheFullError, InvariantError, UsageError
 
-_EMPTY = np.empty(0, dtype=np.int64)
-_NO_HASHES = np.empty(0, dtype=np.uint64)
+NO_HASHES = np.empty(0, dtype=np.uint64)
 _GPU, _CPU, _MISSING = int(BlockState.GPU), int(BlockState.CPU), int(BlockState.MISSING)
 
 
@@ -101,7 +100,7 @@ class EvictResult:
     freed_tokens: int
     slots: np.ndarray
     ranges: list[tuple[int, int]]
-    hashes: np.ndarray = field(default_factory=lambda: _NO_HASHES)
+    hashes: np.ndarray = field(default_factory=lambda: NO_HASHES)
 
 
 @dataclass
@@ -149,14 +148,18 @@ class KVCache:
                  cost_model: RecomputeCost | None = None, allocator: DeviceSlots | None = None,
                  track_recompute: bool = True):
         block_size = count(block_size, "block_size")
-        capacity = count(capacity, "capacity")
+        what = self._capacity_name
+        capacity = count(capacity, what)
         if block_size < 1:
             raise UsageError("block_size must be at least 1")
         if capacity < block_size:
-            raise UsageError(f"capacity {capacity} is below one block of {block_size} tokens")
+            raise UsageError(f"{what} {capacity} is below one block of {block_size} tokens")
         if capacity >= 2**31:
-            raise UsageError(f"capacity {capacity} is beyond the 2**31 slots the tree can address")
+            raise UsageError(f"{what} {capacity} is beyond the 2**31 slots the tree can address")
         self.policy = policy if isinstance(policy, EvictionPolicy) else get_policy(policy)
+        if self.policy.owner is not None:
+            raise UsageError(f"this {self.policy.name} policy object already serves another cache (policies keep "
+                             "state per cache): pass its name or a new object")
         if cost_model is not None and not isinstance(cost_model, RecomputeCost):
             raise UsageError("cost_model must have a span_cost(start, end) method")
         if allocator is not None and not isinstance(allocator, DeviceSlots):
@@ -164,13 +167,14 @@ class KVCache:
                              "interface (capacity, free_size, alloc, release, check, outstanding_size, "
                              "check_outstanding, free, adopt)")
         if allocator is not None and allocator.capacity != capacity:
-            raise UsageError(f"allocator capacity {allocator.capacity} differs from cache capacity {capacity}")
+            raise UsageError(f"allocator capacity {allocator.capacity!r} differs from {what} {capacity}")
         self.capacity = capacity
         self.block_size = block_size
         self.cost_model = cost_model
         self.allocator = allocator if allocator is not None else SlotAllocator(capacity, block_size)
         self.tree = self.tree_class(block_size)
         self.stats = CacheStats(policy=self.policy.name)
+        self.policy.owner = self
         self.policy.bind(capacity, block_size, cost_model)
         self._track = track_recompute
         self._seen: set[int] = set()
@@ -293,21 +297,21 @@ class KVCache:
         path, last = tree.walk(tokens, n_blocks)
         walked = path[-1].start + last * bs if path else 0
         parts = [node.slots for node in path[:-1]] + ([path[-1].slots[:last * bs]] if path else [])
-        stored = np.concatenate(parts) if parts else _EMPTY
+        stored = np.concatenate(parts) if parts else EMPTY_SLOTS
         passed = slots[:walked]
         differs = stored != passed
         if any(node.n_resident < node.n_blocks for node in path):
             missing = stored == NO_SLOT
             refill, differs = passed[missing], differs & ~missing
         else:
-            refill = _EMPTY
+            refill = EMPTY_SLOTS
         if any(node.n_gpu < node.n_resident for node in path):
             # Blocks on the CPU tier keep their host copy: slots passed for them are duplicates,
             # even where a GPU slot number happens to equal the host slot number.
             on_cpu = np.concatenate([np.repeat(node.state == _CPU, bs) for node in path])[:walked]
             differs |= on_cpu
         # Usually the caller passes back the slots match() gave it: no duplicates to gather.
-        duplicates = passed[differs] if differs.any() else _EMPTY
+        duplicates = passed[differs] if differs.any() else EMPTY_SLOTS
         kept = np.concatenate([refill, slots[walked:full]])
         returned = np.concatenate([duplicates, slots[full:]])
         self.allocator.check_outstanding(np.concatenate([kept, returned]))
@@ -359,7 +363,7 @@ class KVCache:
             if len(blocks):
                 where = (node.start - start + blocks[:, None] * bs + np.arange(bs)).ravel()
                 taken.append((node, blocks, slots[where]))
-        new = np.concatenate([s for _, _, s in taken]) if taken else _EMPTY
+        new = np.concatenate([s for _, _, s in taken]) if taken else EMPTY_SLOTS
         self.allocator.check_outstanding(new)
         for node, blocks, block_slots in taken:
             self.tree.refill(node, blocks, block_slots)
@@ -392,7 +396,7 @@ class KVCache:
         Evicting 0 is always safe."""
         n = count(n_tokens, "n_tokens")
         if n == 0:
-            return EvictResult(0, _EMPTY, [])
+            return EvictResult(0, EMPTY_SLOTS, [])
         return self._evict_blocks(-(-n // self.block_size))
 
     def check_invariants(self) -> None:
@@ -410,8 +414,8 @@ class KVCache:
             raise InvariantError(f"free {self.free_size()} + evictable {self.evictable_size()} + protected "
                                  f"{self.protected_size()} + held {outstanding} != capacity {self.capacity}")
 
-    # How `alloc`'s errors name the pool it allocates from, and its slots.
-    _pool_name, _slots_name = "a cache", "slots"
+    # How errors name the capacity argument, the pool `alloc` allocates from, and its slots.
+    _capacity_name, _pool_name, _slots_name = "capacity", "a cache", "slots"
 
     def _shortfall(self, n: int) -> int:
         """Slots missing for `n` free ones; CacheFullError when unlocked KV cannot cover them."""
@@ -430,11 +434,11 @@ class KVCache:
 
     def _evict_blocks(self, n_blocks: int) -> EvictResult:
         released = self.policy.evict(self.tree, n_blocks)
-        slots = np.concatenate(released.gpu_slots, dtype=np.int64) if released.gpu_slots else _EMPTY
+        slots = np.concatenate(released.gpu_slots, dtype=np.int64) if released.gpu_slots else EMPTY_SLOTS
         self.allocator.release(slots)
         self.stats.evict_calls += 1
         self.stats.evicted_tokens += len(slots)
-        hashes = np.concatenate(released.hashes) if released.hashes else _NO_HASHES
+        hashes = np.concatenate(released.hashes) if released.hashes else NO_HASHES
         return EvictResult(len(slots), slots, released.ranges, hashes)
 
     def _spans(self, path: list[Node]) -> list[Span]:
@@ -456,7 +460,7 @@ class KVCache:
                 run[2] = node.start + stop * bs
                 if state != _MISSING:
                     run[3].append(node.slots if stop - first == k else node.slots[first * bs:stop * bs])
-        return [Span(start, end, BlockState(state), np.concatenate(parts, dtype=np.int64) if parts else _EMPTY)
+        return [Span(start, end, BlockState(state), np.concatenate(parts, dtype=np.int64) if parts else EMPTY_SLOTS)
                 for state, start, end, parts in runs]
 
     def _seen_until(self, tokens: np.ndarray, path: list[Node], matched: int, n_blocks: int) -> int:

@@ -36,9 +36,8 @@ import numpy as np
 
 from penelope.cache.admission import admit
 from penelope.cache.manager import InsertResult, KVCache, LockHandle, Span
+from penelope.cache.slots import EMPTY_SLOTS
 from penelope.errors import UsageError
-
-_EMPTY = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class RequestPlan:
     holes: list[tuple[int, int]]
     compute_from: int
     lock: LockHandle
-    owned: np.ndarray = field(default_factory=lambda: _EMPTY)
+    owned: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     hit_tokens: int = 0
     loaded: list[Span] = field(default_factory=list)
     loaded_tokens: int = 0

@@ -86,16 +86,21 @@ class EvictionPolicy:
     whole_node: ClassVar[bool] = False
     from_tail: ClassVar[bool] = False
     uses_foresight: ClassVar[bool] = False
-    # Asks a two-tier cache to call `prefetch` when the caller advances the time.
+    # Asks a two-tier cache to prefetch `prefetch_candidates` when the caller advances the time;
+    # a prefetch displaces GPU victims only when it is worth PREFETCH_MARGIN times more than they are.
     prefetches: ClassVar[bool] = False
+    PREFETCH_MARGIN: ClassVar[float] = 2.0
 
     capacity: int = 0
     block_size: int = 0
+    # The cache the policy serves (set by it): one policy object per cache.
+    owner: object = None
     cost_model: RecomputeCost = TokenCost()
 
     def bind(self, capacity: int, block_size: int, cost_model: RecomputeCost | None = None) -> None:
-        """Called once by the cache: its size in tokens (GPU + CPU for two tiers), its block and
-        its cost model (None: every token costs the same, `TokenCost`)."""
+        """Called by the cache that owns the policy: its size in tokens (GPU + CPU for two tiers:
+        a tiered cache binds again once it knows its CPU tier), its block and its cost model
+        (None: every token costs the same, `TokenCost`)."""
         self.capacity, self.block_size = capacity, block_size
         self.cost_model = cost_model if cost_model is not None else TokenCost()
 
@@ -115,6 +120,11 @@ class EvictionPolicy:
 
     def evicted(self, tree: RadixTree, released: Released) -> None:
         """What one `evict` call deleted; ignored here."""
+
+    def prefetch_candidates(self, tree: RadixTree) -> list[tuple[float, Node]]:
+        """(value, node) of histories whose CPU blocks should come back to the GPU before their
+        request, most valuable first (policies with `prefetches`); none here."""
+        return []
 
     def first_node(self, tree: RadixTree, leaf: Node) -> Node:
         """Where eviction from victim `leaf` starts: the leaf itself unless a policy walks up."""
@@ -202,6 +212,11 @@ class HeadPolicy(EvictionPolicy):
 
 
 class PrivateHeadPolicy(HeadPolicy):
+    def prefetch_candidates(self, tree: RadixTree) -> list[tuple[float, Node]]:
+        """(value, node) of histories whose CPU blocks should come back to the GPU before their
+        request, most valuable first (policies with `prefetches`); none here."""
+        return []
+
     def first_node(self, tree: RadixTree, leaf: Node) -> Node:
         """Walk from the leaf toward the root to the earliest evictable block of its private
         history: stop before a parent that is the root, is shared (more than one child), is

@@ -34,6 +34,7 @@ def concat_slots(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts, dtype=np.int64) if parts else EMPTY_SLOTS
 
 
+@runtime_checkable
 class SlotPool(Protocol):
     """What a cache needs of any pool of `capacity` token rows."""
 
@@ -74,7 +75,7 @@ class LazyFreeList:
     """The free ids among `0 .. size-1`, handed out as from a stack: ids given back come out first
     (last in, first out), then ids never handed out, in ascending order, so a fresh pool hands out
     contiguous runs. Memory grows with the ids ever handed out, not with `size`: a pool of 2**30
-    slots costs nothing until it is used (allocating it up front took 17 bytes per slot)."""
+    slots costs nothing until it is used."""
 
     def __init__(self, size: int):
         self.size = int(size)

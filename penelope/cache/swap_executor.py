@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from penelope.cache.slots import EMPTY_SLOTS
 from penelope.errors import UsageError
 from penelope.kernels.kv_swap import (
     COPY_FUNCTIONS,
@@ -33,8 +33,6 @@ from penelope.kernels.kv_swap import (
     run_exchange,
 )
 from penelope.kernels.kv_swap.kernel import check_pools, launch_device
-
-_EMPTY = np.empty(0, dtype=np.int64)
 
 
 @dataclass
@@ -108,7 +106,7 @@ class SwapExecutor:
         elif self.streams is None and self.copy == "triton":
             device = launch_device(self.gpu_pool, self.host_pool)
             self.streams = CudaStreams(device) if device.type == "cuda" else HostStreams()
-        handle = run_exchange(ExchangePlan(tuple(steps), _EMPTY, _EMPTY, plan.buffer_after), self.gpu_pool,
+        handle = run_exchange(ExchangePlan(tuple(steps), EMPTY_SLOTS, EMPTY_SLOTS, plan.buffer_after), self.gpu_pool,
                               self.host_pool, self.copy, num_layers=self.num_layers, min_run=self.min_run,
                               streams=self.streams, wait=False, after=self._last)
         if handle is not None:

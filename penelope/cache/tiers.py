@@ -97,17 +97,17 @@ class TwoTierCache(TieredCache):
     def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, policy="penelope",
                  swap_buffer: int = DEFAULT_SWAP_BUFFER, cost_model=None, allocator=None,
                  track_recompute: bool = True, keep_plans: bool = True):
-        super().__init__(gpu_capacity, cpu_capacity, block_size, policy, cost_model, allocator, track_recompute,
-                         keep_plans, swap_buffer)
+        super().__init__(gpu_capacity, cpu_capacity, block_size, policy=policy, cost_model=cost_model,
+                         allocator=allocator, track_recompute=track_recompute, keep_plans=keep_plans,
+                         swap_buffer=swap_buffer)
         self.swap_buffer = self.host.buffer
-        # One eviction order over both tiers: the policy sizes its rules by the logical capacity.
-        self.policy.bind(self.total_capacity, block_size, cost_model)
 
     def advance(self, now: float) -> None:
         """The caller's clock reads `now` seconds. A policy that prefetches (`penelope-agent`) then
         names histories whose CPU blocks should come back to the GPU before their request; each is
-        loaded (through the swap buffer when both tiers are full) if the GPU victims that make room
-        are worth less than `PREFETCH_MARGIN` times less to the policy. The plans queue as loads do."""
+        loaded (through the swap buffer when both tiers are full) if it is worth at least
+        `PREFETCH_MARGIN` times more to the policy than the GPU victims that make room. The plans
+        queue as loads do."""
         super().advance(now)
         if self.policy.prefetches:
             for value, node in self.policy.prefetch_candidates(self.tree):

@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "reproduce",
         help="cost curve + trace replays on the built-in defaults (JSON and plots in --out)",
-        description=__doc__.split("\n\n")[1],
+        description=__doc__.split("\n\n")[1].replace("DEFAULT_REPEAT", str(DEFAULT_REPEAT)),
     )
     parser.add_argument("--out", default="results", help="folder for the JSON files and plots")
     parser.add_argument("--model", default="qwen3-8b", help="built-in model name or a config.json path")

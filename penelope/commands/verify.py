@@ -341,7 +341,7 @@ def add_parser(subparsers) -> None:
         "build); --cache-tokens is its KV pool, --message-tokens what each turn adds")
     sglang.add_argument("--engine", default="reference", choices=ENGINE_CHOICES,
                         help="reference: this package's engine, bitwise; sglang: SGLang's Engine, within --atol")
-    sglang.add_argument("--model", metavar="DIR", help="HF checkpoint to serve (default: a tiny random Qwen3)")
+    sglang.add_argument("--model", metavar="DIR", help="HF checkpoint to serve (when not given: a tiny random Qwen3)")
     sglang.add_argument("--page-size", type=int, default=64, help="SGLang's page size")
     sglang.add_argument("--chunk", type=int, default=128, help="chunked prefill size (-1: off)")
     sglang.add_argument("--rows", type=int, default=8, help="max running requests (request rows)")
@@ -357,6 +357,10 @@ def run(args) -> int:
     from penelope.outputs import check_outputs
 
     check_outputs({"--json": args.json}, {"--model": args.model})
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("verify runs a model and needs torch: pip install 'penelope-kv[torch]'") from None
     if args.policy not in policy_names(aliases=True):
         raise UsageError(f"unknown policy {args.policy!r}; choose from {policy_names(aliases=True)}")
     check_device(args.device)
