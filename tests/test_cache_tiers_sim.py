@@ -47,7 +47,7 @@ def test_config_errors(args, message):
 def test_admission_loads_cpu_spans_and_lpm_counts_them():
     """A demoted history is admitted before a request with a shorter GPU prefix (LPM counts CPU
     hits), its CPU blocks are loaded (GPU slots in the job) and charged as a load."""
-    cache = TwoTierCache(8 * B, 8 * B, B, "penelope", swap_buffer=B)
+    cache = TwoTierCache(8 * B, 8 * B, B, policy="penelope", swap_buffer=B)
     history = make_job([1, 2, 3, 4, 5], 5 * B, session="a")
     tokens = request_tokens(history.request, B)
     cache.insert(tokens, cache.alloc(len(tokens)))

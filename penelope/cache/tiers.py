@@ -94,7 +94,7 @@ class TwoTierCache(TieredCache):
 
     needs_swap_buffer: ClassVar[bool] = True
 
-    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, policy="penelope",
+    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, policy="penelope",
                  swap_buffer: int = DEFAULT_SWAP_BUFFER, cost_model=None, allocator=None,
                  track_recompute: bool = True, keep_plans: bool = True):
         super().__init__(gpu_capacity, cpu_capacity, block_size, policy=policy, cost_model=cost_model,

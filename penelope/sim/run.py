@@ -139,8 +139,8 @@ def make_cache(policy: str, config: SimConfig, cost_model: CostModel) -> KVCache
     if get_policy(policy).name == BASELINE:
         return HiCacheLikeCache(config.gpu_cache, config.cpu_cache, config.block_size, cost_model=cost_model,
                                 keep_plans=False)
-    return TwoTierCache(config.gpu_cache, config.cpu_cache, config.block_size, policy, config.swap_buffer,
-                        cost_model=cost_model, keep_plans=False)
+    return TwoTierCache(config.gpu_cache, config.cpu_cache, config.block_size, policy=policy,
+                        swap_buffer=config.swap_buffer, cost_model=cost_model, keep_plans=False)
 
 
 @dataclass

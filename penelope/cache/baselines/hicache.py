@@ -68,7 +68,7 @@ class HiCacheLikeCache(TieredCache):
 
     tree_class = _BackupTree
 
-    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, cost_model=None,
+    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, cost_model=None,
                  allocator=None, track_recompute: bool = True, keep_plans: bool = True):
         super().__init__(gpu_capacity, cpu_capacity, block_size, policy="sglang", cost_model=cost_model,
                          allocator=allocator, track_recompute=track_recompute, keep_plans=keep_plans)
