@@ -30,6 +30,7 @@ from penelope.errors import CacheFullError, InvariantError, UsageError
 class Admission:
     """A request admitted into the cache.
 
+    - `tokens` int64 `[n]`: the request's tokens, as checked.
     - `match`: what the cache held of it; `handle`: the lock on its matched path.
     - `compute_from`: the first position the request computes (at most n - 1, so the last
       token always yields logits); `computed`: the spans it computes, its holes in position
@@ -40,6 +41,7 @@ class Admission:
     - `loaded`: the CPU spans brought back to the GPU.
     """
 
+    tokens: np.ndarray
     match: MatchResult
     handle: LockHandle
     compute_from: int
@@ -100,7 +102,7 @@ def admit(cache: KVCache, tokens, match_tokens: int | None = None, reserve: int 
     for start, end in computed:
         slots[start:end] = owned[offset:offset + end - start]
         offset += end - start
-    return Admission(match, handle, compute_from, computed, slots, owned, loaded)
+    return Admission(tokens, match, handle, compute_from, computed, slots, owned, loaded)
 
 
 def load_path(cache: KVCache, handle: LockHandle, loads: list[Span]) -> LoadResult:

@@ -121,7 +121,7 @@ def plan_request(cache: KVCache, tokens) -> RequestPlan:
     match, loaded = admission.match, admission.loaded
     segments = [PlanSegment(start, end, phantom=True) for start, end in match.holes]
     segments.append(PlanSegment(admission.compute_from, len(admission.slots), phantom=False))
-    return RequestPlan(np.asarray(tokens, dtype=np.int64).reshape(-1), admission.slots, segments,
+    return RequestPlan(admission.tokens, admission.slots, segments,
                        list(match.holes), admission.compute_from, admission.handle, admission.owned,
                        match.hit_tokens, loaded.spans, loaded.loaded_tokens, loaded.swapped_tokens)
 
