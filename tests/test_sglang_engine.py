@@ -111,6 +111,54 @@ def test_two_tiers_with_hole_chunks_and_the_swap_copy_kernel(model, reference):
     assert counters["tier_loads"] > 0 and counters["tier_swap_loads"] > 0 and counters["chunk_refill_tokens"] > 0
 
 
+def reply_token_in_some(reference: dict, rids: set) -> int:
+    """A token in about half of the replies of `rids` in `reference` (a stand-in for a tool-call
+    token: the tiny model has no chat template)."""
+    replies = [set(r["output_ids"]) for r in reference["requests"] if r["rid"] in rids]
+    counts = {token: sum(token in reply for reply in replies) for reply in replies for token in reply}
+    return min(counts, key=lambda token: (abs(2 * counts[token] - len(replies)), token))
+
+
+def expected_waits(run: dict, traffic: AgentTraffic, tool_call_token: int) -> dict:
+    """The hint counters the plugin must report after `run`: every turn but a session's last ends
+    a wait when the next one arrives (observed); last turns and probes leave sessions waiting. The
+    kind is the session's own hint, else whether the reply holds `tool_call_token`."""
+    counts = dict.fromkeys(("observed_tool", "observed_human", "waiting_tool", "waiting_human"), 0)
+    for r in run["requests"]:
+        session, _, turn = r["rid"].removeprefix("s").partition("-t")
+        hinted = traffic.waits_for[int(session)] if turn and int(session) < len(traffic.waits_for) else None
+        kind = hinted or ("tool" if tool_call_token in r["output_ids"] else "human")
+        ended = bool(turn) and int(turn) < traffic.turns - 1
+        counts[f"{'observed' if ended else 'waiting'}_{kind}"] += 1
+    return {f"hint_{name}": n for name, n in {**counts, "waiting_unknown": 0, "in_system": 0}.items()}
+
+
+@pytest.mark.parametrize(("policy", "cpu_cache"), [("penelope-agent", 1024), ("ttl", 0)])
+def test_agent_aware_policies_read_what_requests_show(model, reference, policy, cpu_cache):
+    """The agent-aware policies in the real Engine: sessions 0 and 1 say what they wait for
+    (``custom_params``), the others are read from their replies (``tool_call_token``); session 0's
+    tool takes 1.5 s a turn while the others run. The scheduler's book of waits must hold exactly
+    what the requests showed, and the outputs match the never-evicting run. Over two tiers,
+    penelope-agent brings session 0's CPU blocks back to the GPU while it waits (prefetch)."""
+    traffic = AgentTraffic(waits_for=("tool", "human"), think_s=(1.5,))
+    unhinted = {r["rid"] for r in reference["requests"] if not r["rid"].startswith(("s0-", "s1-"))}
+    token = reply_token_in_some(reference, unhinted)
+    setup = EngineSetup(pool_tokens=2048, chunk=2048, policy=policy, cpu_cache=cpu_cache, tool_call_token=token)
+    run = run_engine(model, traffic, setup, engine_env())
+    counters = check_against(run, reference, traffic)
+    assert counters["policy"] == policy and counters["evicted_tokens"] + counters.get("tier_demotions", 0) > 0
+    want = expected_waits(run, traffic, token)
+    assert {name: counters[name] for name in want} == want
+    # Both kinds were read from replies: the token told some tool calls from some replies to a person.
+    from_replies = expected_waits({"requests": [r for r in run["requests"] if r["rid"] in unhinted]}, traffic, token)
+    assert from_replies["hint_observed_tool"] + from_replies["hint_waiting_tool"] > 0
+    assert from_replies["hint_observed_human"] + from_replies["hint_waiting_human"] > 0
+    if cpu_cache:
+        assert counters["tier_loads"] > 0 and counters["tier_prefetches"] > 0 and counters["tier_prefetched_tokens"] > 0
+    print(f"{policy}: {want}, prefetches {counters.get('tier_prefetches')}, "
+          f"prefetched tokens {counters.get('tier_prefetched_tokens')}")
+
+
 def test_request_rows_run_out(model, reference):
     """Two request rows: a request whose phantoms get no rows refills its holes hole-first."""
     run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=1024, rows=2), engine_env())

@@ -1,7 +1,9 @@
 """The agent-aware policies inside SGLang: what a request tells the cache (`hints.wait_kind`), and
 the arrivals and finishes the plugin reports on SGLang 0.5.23's real pools and requests on CPU
-(`sglang_env.Serving`). Not covered here: SGLang's full Engine with a tool-call parser and a
-chat model (the OpenAI layer's tool-call parsing never reaches the scheduler; see hints.py)."""
+(`sglang_env.Serving`). The same through SGLang's real Engine, prefetch included:
+`test_sglang_engine.test_agent_aware_policies_read_what_requests_show`. Not covered: a chat model
+with ``--tool-call-parser`` (the OpenAI layer's tool-call parsing never reaches the scheduler; see
+hints.py)."""
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,7 @@ from sglang_env import Serving, blocks, sglang_config
 
 from penelope.errors import UsageError
 from penelope.integration.sglang import options_from
+from penelope.integration.sglang.engine_check import AgentTraffic
 from penelope.integration.sglang.hints import HINT_KEY, wait_kind
 
 TOOL_CALL = 151657
@@ -79,3 +82,29 @@ def test_finished_requests_leave_their_sessions_waiting_for_what_the_reply_shows
     serve(serving, blocks(5000, 2), [4])
     assert [record.kind for record in book.waiting] == ["human", "human"]
     serving.cache.check_invariants()
+
+
+def test_a_request_that_reuses_no_prefix_still_arrives_with_its_whole_prompt():
+    """SGLang cuts the key it matches at ``logprob_start_len`` (empty for a request that wants
+    log-probabilities from its first token); the arrival is still reported, once, with every
+    whole block of the prompt, and the book counts it (``WaitBook.counts``)."""
+    serving = Serving(size=64 * 40, policy="penelope-agent")
+    book = serving.cache.cache.policy.book
+    req = serving.new_request(blocks(0, 3) + [7] * 10)
+    req.return_logprob, req.logprob_start_len = True, 0
+    req.init_next_round_input(serving.cache)
+    assert req.prefix_len == 0
+    req.init_next_round_input(serving.cache)
+    assert [len(hashes) for hashes in book.arrived_hashes] == [3]
+    assert book.counts() == {"observed_tool": 0, "observed_human": 0, "waiting_tool": 0, "waiting_human": 0,
+                             "waiting_unknown": 0, "in_system": 1}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"waits_for": ("soon",)}, "traffic waits_for holds tool, human or None per session"),
+    ({"think_s": (-1,)}, "traffic think_s holds seconds in \\[0, 60\\)"),
+    ({"think_s": ("1",)}, "traffic think_s holds seconds"),
+])
+def test_bad_hinted_traffic_is_refused(fields, message):
+    with pytest.raises(UsageError, match=message):
+        AgentTraffic(**fields)

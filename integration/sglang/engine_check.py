@@ -24,7 +24,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from penelope.cache.hints import WAIT_KINDS
 from penelope.errors import UsageError
+
+from .hints import HINT_KEY
 
 CACHES = ("penelope", "default")
 
@@ -39,7 +42,10 @@ class AgentTraffic:
     that is aborted `abort_after` seconds later (mid-prefill with small chunks). `probe`: two
     extra requests, session 0's first turn and a copy whose first token differs, whose outputs
     must differ (a model whose output ignores early tokens could not tell a broken cache from a
-    good one)."""
+    good one). `waits_for`: per session, what its requests tell the agent-aware policies through
+    ``custom_params`` (``hints.HINT_KEY``): "tool", "human", or None for no hint; sessions past
+    the list send none. `think_s`: per session, seconds it waits after a reply before sending its
+    next turn (0 past the list), as a tool or a person takes time."""
 
     sessions: int = 4
     turns: int = 5
@@ -53,8 +59,17 @@ class AgentTraffic:
     abort_tokens: int = 1500
     abort_after: float = 0.05
     probe: bool = True
+    waits_for: tuple = ()
+    think_s: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "waits_for", tuple(self.waits_for))
+        object.__setattr__(self, "think_s", tuple(self.think_s))
+        if not all(isinstance(t, (int, float)) and 0 <= t < 60 for t in self.think_s):
+            raise UsageError(f"traffic think_s holds seconds in [0, 60) per session, got {list(self.think_s)}")
+        if any(kind not in (None, *WAIT_KINDS) for kind in self.waits_for):
+            raise UsageError(f"traffic waits_for holds {', '.join(WAIT_KINDS)} or None per session, "
+                             f"got {list(self.waits_for)}")
         for name in ("sessions", "turns", "max_new_tokens", "vocab"):
             if getattr(self, name) < 1:
                 raise UsageError(f"traffic {name} must be positive, got {getattr(self, name)}")
@@ -66,6 +81,13 @@ class AgentTraffic:
         if self.vocab < 4:
             raise UsageError(f"traffic vocab must be at least 4, got {self.vocab}")
 
+    def sampling(self, session: int) -> dict:
+        """Session `session`'s sampling parameters: greedy, `max_new_tokens`, its hint if any."""
+        params = {"temperature": 0, "max_new_tokens": self.max_new_tokens, "ignore_eos": True}
+        if session < len(self.waits_for) and self.waits_for[session] is not None:
+            params["custom_params"] = {HINT_KEY: self.waits_for[session]}
+        return params
+
     def peak_tokens(self) -> int:
         """Tokens all sessions' last turns hold together (a pool this size never evicts them)."""
         last = self.system_tokens + self.first_tokens + (self.turns - 1) * (self.growth_tokens + self.max_new_tokens)
@@ -76,8 +98,9 @@ class AgentTraffic:
 @dataclass(frozen=True)
 class EngineSetup:
     """How the Engine runs: KV pool tokens, page size, chunked prefill (-1: off), request rows,
-    the radix cache (``penelope`` or SGLang's ``default``), Penelope's policy and CPU tier
-    (`cpu_cache` tokens, 0: GPU only), dtype and device. `extra`: more ``sglang.Engine`` arguments."""
+    the radix cache (``penelope`` or SGLang's ``default``), Penelope's policy, CPU tier
+    (`cpu_cache` tokens, 0: GPU only) and `tool_call_token` option (``hints.py``), dtype and device.
+    `extra`: more ``sglang.Engine`` arguments."""
 
     pool_tokens: int
     page_size: int = 64
@@ -86,6 +109,7 @@ class EngineSetup:
     cache: str = "penelope"
     policy: str = "penelope"
     cpu_cache: int = 0
+    tool_call_token: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     extra: dict = field(default_factory=dict)
@@ -109,8 +133,10 @@ class EngineSetup:
         if self.device == "cpu":
             args.update(attention_backend="torch_native", disable_cuda_graph=True)
         if self.cache == "penelope":
-            args.update(radix_cache_backend="penelope",
-                        radix_eviction_policy_config={"policy": self.policy, "cpu_cache": self.cpu_cache})
+            config = {"policy": self.policy, "cpu_cache": self.cpu_cache}
+            if self.tool_call_token is not None:
+                config["tool_call_token"] = self.tool_call_token
+            args.update(radix_cache_backend="penelope", radix_eviction_policy_config=config)
         args.update(self.extra)
         return args
 
@@ -137,11 +163,13 @@ async def _session(engine, index: int, history: list[int], growth, traffic: Agen
     for turn in range(traffic.turns):
         reply = await engine.async_generate(
             input_ids=list(history), rid=f"s{index}-t{turn}", return_logprob=True, logprob_start_len=start,
-            sampling_params={"temperature": 0, "max_new_tokens": traffic.max_new_tokens, "ignore_eos": True})
+            sampling_params=traffic.sampling(index))
         out.append(_record(f"s{index}-t{turn}", len(history), reply))
         # The next turn's new tokens start after the last reply token (whose KV the next turn computes).
         start = len(history) + len(reply["output_ids"]) - 1
         history += reply["output_ids"] + growth[turn]
+        if index < len(traffic.think_s) and turn < traffic.turns - 1:
+            await asyncio.sleep(traffic.think_s[index])
 
 
 async def _aborted(engine, prompt: list[int], after: float, out: list) -> None:

@@ -190,18 +190,27 @@ class PenelopeRadixCache(BasePrefixCache):
             setattr(req, REFILL, None)
         if self.disable or key.is_bigram:
             return self._empty
+        if req is not None:
+            self._report_arrival(req, self._namespace(key.extra_key, key.cache_salt, create=True))
         namespace = self._namespace(key.extra_key, key.cache_salt, create=False)
         n = len(key) // self.block_size * self.block_size
         if namespace is None or n == 0:
             return self._empty
         tokens = self._tokens(key.token_ids, n, namespace)
-        if req is not None and not getattr(req, ARRIVAL, False) and getattr(req, _PHANTOM_OF, None) is None:
-            setattr(req, ARRIVAL, True)
-            self.cache.hint(tokens, Hint(time.monotonic(), ARRIVED))
         match = self.cache.match(tokens)
         ref = MatchRef(match, key.token_ids, n, namespace, self.phantoms and _phantom_eligible(req))
         return MatchResult(device_prefix_len=ref.prefix_len, last_device_node=ref, last_host_node=ref,
                            best_match_node=ref)
+
+    def _report_arrival(self, req, namespace: int) -> None:
+        """Tell the policy a request arrived, once, with its whole prompt: the key SGLang matches
+        may be shorter (cut at ``logprob_start_len``, or empty for a prompt it will not reuse)."""
+        if getattr(req, ARRIVAL, False) or getattr(req, _PHANTOM_OF, None) is not None:
+            return
+        setattr(req, ARRIVAL, True)
+        prompt = req.origin_input_ids
+        n = len(prompt) // self.block_size * self.block_size
+        self.cache.hint(self._tokens(prompt, n, namespace), Hint(time.monotonic(), ARRIVED))
 
     def touch_prefix(self, key) -> None:
         """Bump the recency of ``key``'s cached path (a match that reports nothing)."""
@@ -305,7 +314,12 @@ class PenelopeRadixCache(BasePrefixCache):
         source = req.full_untruncated_fill_ids
         n = min(len(source), req.kv.cache_protected_len) // self.block_size * self.block_size
         kind = wait_kind(req, self.options.tool_call_token)
-        self.cache.hint(self._tokens(source, n, namespace), Hint(time.monotonic(), FINISHED, kind))
+        now = time.monotonic()
+        self.cache.hint(self._tokens(source, n, namespace), Hint(now, FINISHED, kind))
+        # A prefetching policy (penelope-agent over two tiers) may now bring a tool-waiting
+        # session's CPU blocks back to the GPU; the copies run before the scheduler's next step.
+        self.cache.advance(now)
+        self._run_plans()
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable;
@@ -498,7 +512,7 @@ class PenelopeRadixCache(BasePrefixCache):
                 "duplicate_tokens": self.duplicate_tokens,
                 "evicted_tokens": self.cache.stats.evicted_tokens, "evict_calls": self.cache.stats.evict_calls,
                 "cached_tokens": self.total_size(), "block_size": self.block_size,
-                "policy": self.cache.policy.name}
+                "policy": self.cache.policy.name, **_hint_counts(self.cache.policy)}
 
     def pretty_print(self):
         tree = self.cache.tree
@@ -595,6 +609,12 @@ class PenelopeRadixCache(BasePrefixCache):
             raise InvariantError("penelope: the cache evicted part of a matched prefix before it was locked")
         ref.match = again.match
         return again.match
+
+
+def _hint_counts(policy) -> dict:
+    """The hinted policies' book (``WaitBook.counts``), as ``hint_*`` counters; none for others."""
+    book = getattr(policy, "book", None)
+    return {f"hint_{name}": value for name, value in book.counts().items()} if book is not None else {}
 
 
 def _whole_number(value) -> int | None:

@@ -169,6 +169,14 @@ class WaitBook:
         with prefix hash `end_hash`."""
         return any(0 < end_block <= len(h) and int(h[end_block - 1]) == end_hash for h in self.arrived_hashes)
 
+    def counts(self) -> dict[str, int]:
+        """How many waits of each kind were observed and how many sessions wait now, per kind
+        (`unknown`: finished without a kind), plus the requests in the system."""
+        waiting = {kind: sum(w.kind == kind for w in self.waiting) for kind in WAIT_KINDS}
+        return {**{f"observed_{kind}": len(waits) for kind, waits in self.observed.items()},
+                **{f"waiting_{kind}": n for kind, n in waiting.items()},
+                "waiting_unknown": len(self.waiting) - sum(waiting.values()), "in_system": self.in_system}
+
     def waits(self, kind: str | None) -> list[float]:
         """Observed waits of `kind` (all kinds pooled for None), sorted."""
         if kind is not None:
