@@ -18,7 +18,7 @@ BEYOND = ["ttl", "flop-recency", "penelope-agent", "oracle"]
 def test_the_ablation_grid_is_registered_first_with_aliases():
     assert policy_names() == SIX + BEYOND
     assert list(policy.PAPER_GRID) == SIX
-    assert set(policy_names(aliases=True)) == set(SIX + BEYOND) | {"sglang", "penelope"}
+    assert set(policy_names(aliases=True)) == set(SIX + BEYOND) | {"sglang", "penelope", "penelope-agent-no-prefetch"}
     assert isinstance(get_policy("sglang"), LeafTailNode)
     assert isinstance(get_policy("penelope"), PrivateHeadBlock)
     assert get_policy("penelope").name == "private-head-block"

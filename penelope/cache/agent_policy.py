@@ -28,6 +28,7 @@ of wait a session is in, the time) and from the cost model:
   prefetches (KVFlow, Pan et al., arXiv 2507.07400, loads an agent's KV before its next step): a
   tool-waiting session's CPU blocks come back to the GPU, through the swap buffer when both tiers
   are full, when the GPU victims they displace are worth less than half as much.
+  `penelope-agent-no-prefetch` (an ablation, not in `--policies all`) is the same without it.
 - `oracle`: offline, told every session's next send time and how much of its history the next
   request reuses. It deletes dead blocks first (the part of a history the next request does not
   reuse, from its tail, and histories no session will use again), then evicts from the front of
@@ -222,6 +223,13 @@ class PenelopeAgent(HintedPolicy, PrivateHeadPolicy):
             out.append((self.expected_loss(tree, node), node))
         out.sort(key=lambda item: (-item[0], item[1].id))
         return out
+
+
+@register("penelope-agent-no-prefetch", listed=False)
+class PenelopeAgentNoPrefetch(PenelopeAgent):
+    """`penelope-agent` without its prefetch: the ablation that measures the prefetch alone."""
+
+    prefetches = False
 
 
 @register("oracle")

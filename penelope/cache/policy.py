@@ -34,10 +34,13 @@ PAPER_GRID = ("leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {}
 _CANONICAL: list[str] = []
+_UNLISTED: list[str] = []
 
 
-def register(name: str, *aliases: str):
-    """Class decorator: make a policy available by `name` and `aliases`; returns the class."""
+def register(name: str, *aliases: str, listed: bool = True):
+    """Class decorator: make a policy available by `name` and `aliases`; returns the class. An
+    ablation registers with `listed=False`: it is found by name but is not one of `policy_names()`
+    (so not in `--policies all`)."""
 
     def decorate(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
         keys = (name, *aliases)
@@ -47,14 +50,15 @@ def register(name: str, *aliases: str):
         for key in keys:
             _REGISTRY[key] = cls
         cls.name = name
-        _CANONICAL.append(name)
+        (_CANONICAL if listed else _UNLISTED).append(name)
         return cls
 
     return decorate
 
 
 def policy_names(aliases: bool = False) -> list[str]:
-    """Registered policy names (canonical ones in registration order, then aliases if asked)."""
+    """Registered policy names (canonical ones in registration order; then, if asked, the aliases
+    and the unlisted ablations)."""
     if not aliases:
         return list(_CANONICAL)
     return list(_CANONICAL) + sorted(k for k in _REGISTRY if k not in _CANONICAL)
