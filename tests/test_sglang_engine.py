@@ -147,6 +147,8 @@ def test_agent_aware_policies_read_what_requests_show(model, reference, policy, 
     run = run_engine(model, traffic, setup, engine_env())
     counters = check_against(run, reference, traffic)
     assert counters["policy"] == policy and counters["evicted_tokens"] + counters.get("tier_demotions", 0) > 0
+    # The policies weigh blocks by the served checkpoint's recompute cost, read from its config.json.
+    assert counters["cost_model"] == Path(model).name
     want = expected_waits(run, traffic, token)
     assert {name: counters[name] for name in want} == want
     # Both kinds were read from replies: the token told some tool calls from some replies to a person.

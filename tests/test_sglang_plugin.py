@@ -92,6 +92,24 @@ def test_factory_builds_the_cache_from_the_policy_config(monkeypatch):
             create_penelope_cache(_context(serving, is_hybrid_swa=True))
 
 
+def test_the_policies_weigh_blocks_by_the_served_model(tmp_path, caplog):
+    """The factory reads the served checkpoint's config.json into a cost model (position-dependent:
+    a later block costs more); a path it cannot read gives none, with a warning."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000)))
+    with sglang_config():
+        serving = Serving(size=64 * 8)
+        cache = create_penelope_cache(_context(serving, {"policy": "penelope-agent"},
+                                               server_args=SimpleNamespace(model_path=str(tmp_path))))
+        model = cache.cache.policy.cost_model
+        assert model is cache.cost_model and model.span_cost(64, 128) > model.span_cost(0, 64) > 0
+        assert cache.stats()["cost_model"] == tmp_path.name
+        cache = create_penelope_cache(_context(serving, server_args=SimpleNamespace(model_path=str(tmp_path / "no"))))
+        assert cache.cost_model is None and cache.stats()["cost_model"] == "tokens"
+        assert "no cost model for" in caplog.text
+
+
 _LOAD = """
 import json
 from sglang.srt.plugins import load_plugins

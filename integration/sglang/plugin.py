@@ -271,10 +271,25 @@ def create_penelope_cache(ctx):
     try:
         return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
                                   hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
-                                  hicache_ratio=getattr(server_args, "hicache_ratio", None))
+                                  hicache_ratio=getattr(server_args, "hicache_ratio", None),
+                                  cost_model=served_cost_model(server_args))
     except UsageError as error:
         message = str(error)
         raise UsageError(message if message.startswith("penelope:") else f"penelope: {message}") from None
+
+
+def served_cost_model(server_args):
+    """The recompute cost model of the served checkpoint (its config.json), which the cost-aware
+    policies weigh blocks by; None (every token costs the same) when it cannot be read, logged."""
+    from penelope.costmodel.recompute import CostModel
+    from penelope.costmodel.shapes import get_model
+
+    path = getattr(server_args, "model_path", None)
+    try:
+        return CostModel(get_model(str(path)))
+    except (UsageError, OSError, ValueError) as error:
+        logger.warning("penelope: no cost model for %s (%s); the policies weigh every token the same", path, error)
+        return None
 
 
 def _positive(value, name: str) -> None:

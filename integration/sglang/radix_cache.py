@@ -127,7 +127,8 @@ class PenelopeRadixCache(BasePrefixCache):
     sliding_window_size = None
 
     def __init__(self, params: CacheInitParams, options: PenelopeOptions | None = None,
-                 phantoms: bool | None = None, hicache_size_gb: float = 0, hicache_ratio: float | None = None):
+                 phantoms: bool | None = None, hicache_size_gb: float = 0, hicache_ratio: float | None = None,
+                 cost_model=None):
         options = options if options is not None else PenelopeOptions()
         if params.is_eagle:
             raise UsageError("penelope: EAGLE speculative decoding (bigram keys) is not supported")
@@ -136,6 +137,7 @@ class PenelopeRadixCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
         self.options = options
+        self.cost_model = cost_model
         self.phantoms = options.phantoms if phantoms is None else phantoms
         self.block_size = options.resolved_block_size(self.page_size)
         self.slots = SGLangSlots(self.token_to_kv_pool_allocator)
@@ -166,13 +168,13 @@ class PenelopeRadixCache(BasePrefixCache):
             self.cache = TwoTierCache(self.slots.capacity, self.host_tokens, block_size=self.block_size,
                                       policy=self.options.policy, swap_buffer=max(self.options.swap_buffer,
                                                                                   self.block_size),
-                                      allocator=self.slots, track_recompute=False)
+                                      allocator=self.slots, cost_model=self.cost_model, track_recompute=False)
             if self.host_kv is None:
                 self.host_kv = HostKV(self.token_to_kv_pool_allocator.get_kvcache(), self.cache.host_rows,
                                       self.options.copy)
         else:
             self.cache = KVCache(self.slots.capacity, block_size=self.block_size, policy=self.options.policy,
-                                 allocator=self.slots, track_recompute=False)
+                                 allocator=self.slots, cost_model=self.cost_model, track_recompute=False)
         self.root_node = MatchRef(None)
         self._empty = MatchResult(device_prefix_len=0, last_device_node=self.root_node,
                                   last_host_node=self.root_node, best_match_node=self.root_node)
@@ -512,7 +514,8 @@ class PenelopeRadixCache(BasePrefixCache):
                 "duplicate_tokens": self.duplicate_tokens,
                 "evicted_tokens": self.cache.stats.evicted_tokens, "evict_calls": self.cache.stats.evict_calls,
                 "cached_tokens": self.total_size(), "block_size": self.block_size,
-                "policy": self.cache.policy.name, **_hint_counts(self.cache.policy)}
+                "policy": self.cache.policy.name, **_hint_counts(self.cache.policy),
+                "cost_model": self.cost_model.shape.name if self.cost_model is not None else "tokens"}
 
     def pretty_print(self):
         tree = self.cache.tree
