@@ -240,7 +240,7 @@ def adapter_state(serving: Serving) -> tuple:
     cache, allocator = serving.cache, serving.allocator
     free = torch.cat([allocator.free_pages, allocator.release_pages]).sort().values.tolist()
     nodes = sorted((n.start, n.key, n.slots.tolist(), n.state.tolist(), n.lock_ref) for n in cache.cache.tree.nodes())
-    return free, nodes, sorted(cache._locks), cache.total_size(), dict(cache._namespaces)
+    return free, nodes, sorted(cache._locks), cache.total_size(), cache.namespaces.as_dict()
 
 
 @pytest.mark.parametrize(("value", "message"), [

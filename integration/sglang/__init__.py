@@ -4,6 +4,7 @@ Penelope's ragged kernel. Importing this package imports SGLang; ``plugin.regist
 ``sglang.srt.plugins`` entry point."""
 
 from .plugin import PenelopeOptions, options_from, register
-from .radix_cache import MatchRef, PenelopeRadixCache, SGLangSlots
+from .keys import MatchRef
+from .radix_cache import PenelopeRadixCache, SGLangSlots
 
 __all__ = ["MatchRef", "PenelopeOptions", "PenelopeRadixCache", "SGLangSlots", "options_from", "register"]

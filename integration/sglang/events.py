@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 
 from penelope.cache.tree import BlockState
 
-_NS_SHIFT = 32
+from .keys import NS_SHIFT
 
 
 class KVEvents(KVCacheEventRecorder):
@@ -95,10 +95,10 @@ class KVEvents(KVCacheEventRecorder):
 
 def _raw(tokens: np.ndarray) -> list[int]:
     """Token ids as the request sent them (namespaced ids carry their namespace in the high bits)."""
-    return (tokens & ((1 << _NS_SHIFT) - 1)).tolist()
+    return (tokens & ((1 << NS_SHIFT) - 1)).tolist()
 
 
 def _namespace_seed(tokens: np.ndarray) -> str | None:
     """A chain seed per Penelope namespace (its number lives in the high bits of every token)."""
-    namespace = int(tokens[0]) >> _NS_SHIFT if len(tokens) else 0
+    namespace = int(tokens[0]) >> NS_SHIFT if len(tokens) else 0
     return None if namespace == 0 else f"{namespace:064x}"

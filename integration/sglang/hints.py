@@ -36,3 +36,10 @@ def wait_kind(req, tool_call_token: int | None) -> str | None:
     if tool_call_token is None:
         return None
     return TOOL if tool_call_token in req.output_ids else HUMAN
+
+
+def book_counters(policy) -> dict:
+    """The book of a policy that reads hints (``WaitBook.counts``) as ``hint_*`` counters for
+    ``get_server_info``; none for a policy without one."""
+    book = getattr(policy, "book", None)
+    return {f"hint_{name}": value for name, value in book.counts().items()} if book is not None else {}

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import time
-from array import array
 
 import numpy as np
 import torch
@@ -50,7 +48,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from penelope.cache.admission import load_path
-from penelope.cache.arguments import int_array
 from penelope.cache.hints import ARRIVED, FINISHED, Hint
 from penelope.cache.manager import KVCache
 from penelope.cache.manager import MatchResult as PenelopeMatch
@@ -60,61 +57,20 @@ from penelope.cache.tree import BlockState
 from penelope.errors import CacheFullError, InvariantError, UsageError
 
 from .events import KVEvents
-from .hints import wait_kind
+from .hints import book_counters, wait_kind
 from .host_tier import HostKV, host_tokens, kv_bytes_per_token
+from .keys import MatchRef, Namespaces, key_tokens, phantom_eligible, whole_number
 from .plugin import PenelopeOptions
 from .slots import SGLangSlots
 
 logger = logging.getLogger(__name__)
 
-# Slot 0 (page 0) is SGLang's padding slot: hole positions of a row hold it until a phantom's
-# slots are linked in, so a missed link reads padding instead of another request's KV.
-PAD_SLOT = 0
 # Attribute on a Req: its RefillPlan, from admission until its holes are computed.
 REFILL = "penelope_refill"
 # Set on a request once the cache was told it arrived (a queued request is matched many times).
 ARRIVAL = "penelope_arrived"
 # The attribute `hooks.make_phantom` sets on a phantom (hooks imports this module, not the reverse).
 _PHANTOM_OF = "penelope_phantom_of"
-# Namespaced token ids are shifted into a range of their own: token + namespace << 32.
-_NS_SHIFT = 32
-
-
-class MatchRef:
-    """The node handle SGLang keeps in ``req.last_node``: one Penelope match (None for the root),
-    the token source and length it was made for, the reported prefix and the holes before it.
-
-    The source is SGLang's token array itself (never a copy or a numpy view: a view would pin the
-    growing array), read again only if the match must be redone."""
-
-    __slots__ = ("match", "source", "n", "namespace", "prefix_len", "holes")
-
-    def __init__(self, match: PenelopeMatch | None, source=None, n: int = 0, namespace: int = 0,
-                 with_holes: bool = False):
-        self.match, self.source, self.n, self.namespace = match, source, n, namespace
-        spans = match.spans if match is not None else []
-        if with_holes:
-            self.prefix_len = match.compute_from
-            self.holes = list(match.holes)
-        else:
-            first = spans[0] if spans else None
-            self.prefix_len = first.end if first is not None and first.state == BlockState.GPU else 0
-            self.holes = []
-
-    def slots(self, n: int) -> np.ndarray:
-        """Slots of positions [0, n) (int64 [n], n <= the matched length); PAD_SLOT at holes."""
-        out = np.full(n, PAD_SLOT, dtype=np.int64)
-        for span in self.match.spans if self.match is not None else []:
-            if span.start >= n:
-                break
-            if span.state == BlockState.GPU:
-                end = min(span.end, n)
-                out[span.start:end] = span.slots[:end - span.start]
-        return out
-
-    def __repr__(self) -> str:
-        return f"MatchRef(prefix_len={self.prefix_len}, holes={self.holes})"
-
 
 class PenelopeRadixCache(BasePrefixCache):
     """Drop-in for SGLang's ``RadixCache(params)`` whose tree and eviction are Penelope's.
@@ -153,7 +109,7 @@ class PenelopeRadixCache(BasePrefixCache):
         if params.enable_metrics:
             self.init_metrics_collector()
         self._lock_ids = itertools.count(1)
-        self._namespaces: dict[tuple, int] = {}
+        self.namespaces = Namespaces()
         # Tokens computed by phantoms, and hole tokens computed by their own request's chunks.
         self.rider_tokens = 0
         self.chunk_refill_tokens = 0
@@ -193,14 +149,14 @@ class PenelopeRadixCache(BasePrefixCache):
         if self.disable or key.is_bigram:
             return self._empty
         if req is not None:
-            self._report_arrival(req, self._namespace(key.extra_key, key.cache_salt, create=True))
-        namespace = self._namespace(key.extra_key, key.cache_salt, create=False)
+            self._report_arrival(req, self.namespaces.number(key.extra_key, key.cache_salt, create=True))
+        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=False)
         n = len(key) // self.block_size * self.block_size
         if namespace is None or n == 0:
             return self._empty
-        tokens = self._tokens(key.token_ids, n, namespace)
+        tokens = key_tokens(key.token_ids, n, namespace)
         match = self.cache.match(tokens)
-        ref = MatchRef(match, key.token_ids, n, namespace, self.phantoms and _phantom_eligible(req))
+        ref = MatchRef(match, key.token_ids, n, namespace, self.phantoms and phantom_eligible(req))
         return MatchResult(device_prefix_len=ref.prefix_len, last_device_node=ref, last_host_node=ref,
                            best_match_node=ref)
 
@@ -212,14 +168,14 @@ class PenelopeRadixCache(BasePrefixCache):
         setattr(req, ARRIVAL, True)
         prompt = req.origin_input_ids
         n = len(prompt) // self.block_size * self.block_size
-        self.cache.hint(self._tokens(prompt, n, namespace), Hint(time.monotonic(), ARRIVED))
+        self.cache.hint(key_tokens(prompt, n, namespace), Hint(time.monotonic(), ARRIVED))
 
     def touch_prefix(self, key) -> None:
         """Bump the recency of ``key``'s cached path (a match that reports nothing)."""
-        namespace = self._namespace(key.extra_key, key.cache_salt, create=False)
+        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=False)
         n = len(key) // self.block_size * self.block_size
         if not (self.disable or key.is_bigram or namespace is None or n == 0):
-            self.cache.match(self._tokens(key.token_ids, n, namespace))
+            self.cache.match(key_tokens(key.token_ids, n, namespace))
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Cache the whole blocks of ``params.key`` with KV in ``params.value`` (slots, [len(key)]),
@@ -237,10 +193,10 @@ class PenelopeRadixCache(BasePrefixCache):
         if params.value is not None:
             self._check_slot_tensor(params.value)
         n = len(key) // self.block_size * self.block_size
-        namespace = self._namespace(key.extra_key, key.cache_salt, create=params.value is not None)
+        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=params.value is not None)
         if n == 0 or namespace is None:
             return InsertResult(prefix_len=0)
-        tokens = self._tokens(key.token_ids, n, namespace)
+        tokens = key_tokens(key.token_ids, n, namespace)
         before = self.cache.match(tokens)
         leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
         if params.value is None:
@@ -261,14 +217,14 @@ class PenelopeRadixCache(BasePrefixCache):
         ``cache_protected_len``. Reads only the new part of the row back from the device."""
         if self.disable:
             return
-        namespace = self._namespace(req.extra_key, req.cache_salt, create=True)
+        namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=True)
         kv = req.kv
         n = up_to // self.block_size * self.block_size
         protected = kv.cache_protected_len
         if n <= protected:
             return
         source = req.full_untruncated_fill_ids
-        tokens = self._tokens(source, n, namespace)
+        tokens = key_tokens(source, n, namespace)
         before = self.cache.match(tokens)
         slots = np.empty(n, dtype=np.int64)
         for span in before.spans:
@@ -288,7 +244,7 @@ class PenelopeRadixCache(BasePrefixCache):
         self.chunk_refill_tokens += inserted.refilled
         freed = inserted.freed
         self.duplicate_tokens += freed
-        full = self._tokens(source, len(source) // self.block_size * self.block_size, namespace)
+        full = key_tokens(source, len(source) // self.block_size * self.block_size, namespace)
         ref = MatchRef(self.cache.match(full), source, len(full), namespace)
         if ref.prefix_len < n:
             raise InvariantError(f"penelope: after inserting {n} tokens only {ref.prefix_len} are resident")
@@ -310,14 +266,19 @@ class PenelopeRadixCache(BasePrefixCache):
         (retracted to be rescheduled) is still in the system: nothing is said."""
         if self.disable or not req.finished() or getattr(req, _PHANTOM_OF, None) is not None:
             return
-        namespace = self._namespace(req.extra_key, req.cache_salt, create=False)
+        namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=False)
         if namespace is None or not getattr(req, ARRIVAL, False):
             return
         source = req.full_untruncated_fill_ids
         n = min(len(source), req.kv.cache_protected_len) // self.block_size * self.block_size
-        kind = wait_kind(req, self.options.tool_call_token)
+        try:
+            kind = wait_kind(req, self.options.tool_call_token)
+        except UsageError as error:
+            # One client's malformed hint must not stop the scheduler: its wait kind is unknown.
+            logger.warning("%s; its session's wait kind is unknown", error)
+            kind = None
         now = time.monotonic()
-        self.cache.hint(self._tokens(source, n, namespace), Hint(now, FINISHED, kind))
+        self.cache.hint(key_tokens(source, n, namespace), Hint(now, FINISHED, kind))
         # A prefetching policy (penelope-agent over two tiers) may now bring a tool-waiting
         # session's CPU blocks back to the GPU; the copies run before the scheduler's next step.
         self.cache.advance(now)
@@ -326,7 +287,7 @@ class PenelopeRadixCache(BasePrefixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens (whole blocks) or everything evictable;
         evicting 0 or fewer does nothing."""
-        num_tokens = _whole_number(params.num_tokens)
+        num_tokens = whole_number(params.num_tokens)
         if num_tokens is None:
             raise UsageError(f"penelope: evict takes a whole number of tokens, got {repr(params.num_tokens)[:60]}")
         if self.disable or num_tokens <= 0:
@@ -421,8 +382,8 @@ class PenelopeRadixCache(BasePrefixCache):
             self.cache.unlock(handle, admitted=False)
             return False
         self._run_plans()
-        again = MatchRef(self.cache.match(self._tokens(ref.source, ref.n, ref.namespace)), ref.source, ref.n,
-                         ref.namespace, with_holes=self.phantoms and _phantom_eligible(req))
+        again = MatchRef(self.cache.match(key_tokens(ref.source, ref.n, ref.namespace)), ref.source, ref.n,
+                         ref.namespace, with_holes=self.phantoms and phantom_eligible(req))
         self.cache.unlock(handle, admitted=False)
         req.last_node = req.last_host_node = req.best_match_node = again
         req.prefix_len = again.prefix_len
@@ -468,8 +429,8 @@ class PenelopeRadixCache(BasePrefixCache):
             passed = table[row, start:end].to("cpu", torch.int64).numpy()
             kept = self.cache.refill(handle, start, passed)
             if self.kv_events.enabled:
-                namespace = self._namespace(req.extra_key, req.cache_salt, create=True)
-                self.kv_events.stored_range(self.cache, self._tokens(req.full_untruncated_fill_ids, end, namespace),
+                namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=True)
+                self.kv_events.stored_range(self.cache, key_tokens(req.full_untruncated_fill_ids, end, namespace),
                                             start, end)
             others = passed != kept
             if others.any():
@@ -514,7 +475,7 @@ class PenelopeRadixCache(BasePrefixCache):
                 "duplicate_tokens": self.duplicate_tokens,
                 "evicted_tokens": self.cache.stats.evicted_tokens, "evict_calls": self.cache.stats.evict_calls,
                 "cached_tokens": self.total_size(), "block_size": self.block_size,
-                "policy": self.cache.policy.name, **_hint_counts(self.cache.policy),
+                "policy": self.cache.policy.name, **book_counters(self.cache.policy),
                 "cost_model": self.cost_model.shape.name if self.cost_model is not None else "tokens"}
 
     def pretty_print(self):
@@ -541,8 +502,8 @@ class PenelopeRadixCache(BasePrefixCache):
         the tree's slots there, and SGLang's lengths move as if it had computed them."""
         kv = req.kv
         start = req.prefix_len
-        ref = MatchRef(self.cache.match(self._tokens(req.full_untruncated_fill_ids, position,
-                                                     self._namespace(req.extra_key, req.cache_salt, True))),
+        ref = MatchRef(self.cache.match(key_tokens(req.full_untruncated_fill_ids, position,
+                                                     self.namespaces.number(req.extra_key, req.cache_salt, True))),
                        with_holes=False)
         if ref.prefix_len < position:
             raise InvariantError(f"penelope: {req.rid} cannot jump to {position}: only {ref.prefix_len} resident")
@@ -552,32 +513,6 @@ class PenelopeRadixCache(BasePrefixCache):
         req.prefix_len = position
         kv.cache_protected_len = position
         kv.kv_committed_len = kv.kv_allocated_len = position
-
-    def _namespace(self, extra_key, cache_salt, create: bool = False) -> int | None:
-        """0 for keys without a namespace; otherwise the namespace's number (None if unknown and
-        not `create`). Numbers follow first use, so every TP rank assigns the same ones."""
-        if extra_key is None and cache_salt is None:
-            return 0
-        name = (extra_key, cache_salt)
-        number = self._namespaces.get(name)
-        if number is None and create:
-            number = self._namespaces[name] = len(self._namespaces) + 1
-        return number
-
-    def _tokens(self, token_ids, n: int, namespace: int) -> np.ndarray:
-        """The first `n` tokens as int64. Without a namespace, a view of SGLang's array that the
-        caller must not keep (a kept view would pin the growing array)."""
-        if isinstance(token_ids, array) and token_ids.typecode == "q":
-            tokens = np.frombuffer(token_ids, dtype=np.int64, count=n)
-        else:
-            # Checked by numpy's dtype, not token by token: floats, bools, None and ids beyond int64
-            # are refused instead of being truncated or raising a TypeError.
-            tokens = int_array(token_ids[:n], "penelope: token ids")
-        if namespace:
-            if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >> _NS_SHIFT):
-                raise UsageError("penelope: namespaced token ids must lie in [0, 2**32)")
-            tokens = tokens + (namespace << _NS_SHIFT)
-        return tokens
 
     def _check_slot_tensor(self, value) -> None:
         """Raise UsageError unless `value` is what SGLang passes as slots: a 1-D int32/int64
@@ -605,34 +540,10 @@ class PenelopeRadixCache(BasePrefixCache):
         match = ref.match
         if self.cache.is_fresh(match):
             return match
-        again = MatchRef(self.cache.match(self._tokens(ref.source, ref.n, ref.namespace)), ref.source, ref.n,
+        again = MatchRef(self.cache.match(key_tokens(ref.source, ref.n, ref.namespace)), ref.source, ref.n,
                          ref.namespace, with_holes=bool(ref.holes))
         if (again.prefix_len, again.holes) != (ref.prefix_len, ref.holes) or not np.array_equal(
                 again.slots(ref.prefix_len), ref.slots(ref.prefix_len)):
             raise InvariantError("penelope: the cache evicted part of a matched prefix before it was locked")
         ref.match = again.match
         return again.match
-
-
-def _hint_counts(policy) -> dict:
-    """The hinted policies' book (``WaitBook.counts``), as ``hint_*`` counters; none for others."""
-    book = getattr(policy, "book", None)
-    return {f"hint_{name}": value for name, value in book.counts().items()} if book is not None else {}
-
-
-def _whole_number(value) -> int | None:
-    """`value` as an int (a Python or numpy integer, a 0-dim integer tensor), None for anything
-    else (bools, floats, strings, None)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _phantom_eligible(req) -> bool:
-    """Requests whose holes a phantom can refill: plain token prompts (no embeddings, multimodal
-    inputs or diffusion-LM blocks, whose KV at a position does not follow from the token ids)."""
-    return (req is not None and req.multimodal_inputs is None and req.input_embeds is None
-            and req.positional_embed_overrides is None and req.dllm_config is None)
