@@ -3,8 +3,8 @@ phantom-request scheduler hooks and a Triton attention backend that runs phantom
 Penelope's ragged kernel. Importing this package imports SGLang; ``plugin.register`` is the
 ``sglang.srt.plugins`` entry point."""
 
-from .plugin import PenelopeOptions, options_from, register
 from .keys import MatchRef
+from .plugin import PenelopeOptions, options_from, register
 from .radix_cache import PenelopeRadixCache, SGLangSlots
 
 __all__ = ["MatchRef", "PenelopeOptions", "PenelopeRadixCache", "SGLangSlots", "options_from", "register"]
