@@ -113,7 +113,8 @@ def test_bad_hinted_traffic_is_refused(fields, message):
 def test_a_malformed_hint_is_logged_and_the_wait_kind_left_unknown(caplog):
     """One client's bad ``penelope_waits_for`` must not stop the scheduler (on_release runs there)."""
     serving = Serving(size=64 * 40, policy="penelope-agent")
-    serving.cache.options = options_from({"policy": "penelope-agent", "block_size": 64, "tool_call_token": TOOL_CALL}, {})
+    serving.cache.options = options_from({"policy": "penelope-agent", "block_size": 64,
+                                          "tool_call_token": TOOL_CALL}, {})
     book = serving.cache.cache.policy.book
     serve(serving, blocks(0, 3), [1, TOOL_CALL], {HINT_KEY: ["tool"]})
     assert [record.kind for record in book.waiting] == [None]
