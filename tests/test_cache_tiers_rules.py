@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 from cache_helpers import serve, shape
-from tier_helpers import FingerprintRig
+from tier_helpers import FingerprintRig, fingerprints
 
 from penelope.cache.host_tier import TierPlan
 from penelope.cache.manager import KVCache
@@ -255,3 +255,33 @@ def _gpu_blocks(cache) -> set:
         for i in np.flatnonzero(node.state == 0):
             out.add(prefix + node.key[: (i + 1) * BS * 8])
     return out
+
+
+def test_a_request_that_computes_cpu_blocks_again_replaces_their_host_copy():
+    """A request that matched nothing (SGLang asks for log-probabilities from the first token)
+    computes and inserts KV the CPU tier holds: its GPU copy is taken and the host rows are freed.
+    (Keeping the host copy instead left the request's row on slots the tree had freed.)"""
+    r = rig(28, 16)
+    system = tokens(0, 4)
+    a, b, d = tokens(1, 16, system), tokens(2, 4, system), tokens(3, 8, system)
+    for request in (a, b, d):
+        r.serve(request)
+    cache = r.cache
+    prompt = np.asarray(a[:12], dtype=np.int64)
+    fresh = cache.alloc(len(prompt))
+    r.run_plans()
+    on_cpu = [s for s in cache.match(prompt).spans if s.state.name == "CPU"]
+    assert on_cpu, "the test needs CPU blocks on the path"
+    cpu_tokens = sum(len(s) for s in on_cpu)
+    host_free = cache.cpu_free_size()
+    r.write(fresh, fingerprints(prompt), np.arange(len(prompt)))
+    result = cache.insert(prompt, fresh)
+    assert result.refilled == cpu_tokens and result.freed == len(prompt) - cpu_tokens
+    after = cache.match(prompt).spans
+    assert [s.state.name for s in after] == ["GPU"] and np.array_equal(
+        np.concatenate([after[0].slots[s.start:s.end] for s in on_cpu]),
+        np.concatenate([fresh[s.start:s.end] for s in on_cpu]))
+    assert cache.cpu_free_size() == host_free + cpu_tokens
+    assert cache.counters.replaced_host_tokens == cpu_tokens
+    cache.check_invariants()
+    r.verify_all()

@@ -216,6 +216,21 @@ def test_rows_taken_by_riders_make_a_request_wait(model):
     assert report["finished"] == ["length", "length"] and report["phantoms"] == 1
 
 
+def test_a_request_that_reuses_nothing_computes_cpu_blocks_again(model):
+    """Chunks of 128 and a CPU tier: a history the CPU tier holds is sent again asking for
+    log-probabilities from its first token, so SGLang matches none of it and its chunks insert KV
+    the tier holds. The GPU copy replaces the host copy (this stopped the scheduler before), and
+    the recomputed log-probabilities are the first run's."""
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "engine_cpu_recompute_probe.py"), model],
+                         env={**os.environ, **engine_env(SGLANG_USE_CPU_ENGINE="1")}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["finished"] == ["length"] * 4
+    assert report["demoted_before"] > 0 and report["replaced_host_tokens"] > 0
+    assert report["max_logprob_diff"] <= ATOL
+
+
 def test_penelope_verify_engine_sglang(tmp_path):
     """The user's command: two Engines (Penelope on a small and on a never-evicting pool), JSON
     out, exit 0 when they agree."""

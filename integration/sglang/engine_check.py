@@ -42,7 +42,8 @@ class AgentTraffic:
     that is aborted `abort_after` seconds later (mid-prefill with small chunks). `probe`: two
     extra requests, session 0's first turn and a copy whose first token differs, whose outputs
     must differ (a model whose output ignores early tokens could not tell a broken cache from a
-    good one). `waits_for`: per session, what its requests tell the agent-aware policies through
+    good one); they ask for log-probabilities from their first token, so they reuse no KV and
+    insert blocks the cache may hold already, on either tier. `waits_for`: per session, what its requests tell the agent-aware policies through
     ``custom_params`` (``hints.HINT_KEY``): "tool", "human", or None for no hint; sessions past
     the list send none. `think_s`: per session, seconds it waits after a reply before sending its
     next turn (0 past the list), as a tool or a person takes time."""
@@ -219,8 +220,11 @@ def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: 
         await asyncio.gather(*tasks)
         if traffic.probe:
             for i, prompt in enumerate(probes):
-                reply = await engine.async_generate(input_ids=prompt, rid=f"probe{i}", sampling_params={
-                    "temperature": 0, "max_new_tokens": traffic.max_new_tokens, "ignore_eos": True})
+                # Log-probabilities from the first token: SGLang matches none of the prompt, so the
+                # probe computes again, and inserts, blocks the cache may hold on either tier.
+                reply = await engine.async_generate(
+                    input_ids=prompt, rid=f"probe{i}", return_logprob=True, logprob_start_len=0,
+                    sampling_params={"temperature": 0, "max_new_tokens": traffic.max_new_tokens, "ignore_eos": True})
                 out.append(_record(f"probe{i}", len(prompt), reply))
 
     try:

@@ -27,7 +27,7 @@ import numpy as np
 from penelope.cache.arguments import count
 from penelope.cache.manager import NO_HASHES, EvictResult, KVCache, LockHandle, Span
 from penelope.cache.slots import EMPTY_SLOTS, HostSlots, concat_slots
-from penelope.cache.tree import BlockState, Released
+from penelope.cache.tree import BlockState, Node, Released
 from penelope.errors import InvariantError, UsageError
 
 
@@ -107,7 +107,8 @@ class TierCounters:
     (plain and exchanged); `deleted_gpu_tokens`, `deleted_cpu_tokens`: KV deleted from each tier;
     `backed_up_tokens`: host copies of GPU blocks (HiCache-like write-through only); `prefetches`,
     `prefetched_tokens`: loads a prefetching policy asked for before the request came (also
-    counted in `loads`)."""
+    counted in `loads`); `replaced_host_tokens`: CPU blocks a request computed again, whose GPU
+    copy replaced the host copy at insert."""
 
     loads: int = 0
     loaded_tokens: int = 0
@@ -121,6 +122,7 @@ class TierCounters:
     plans: int = 0
     prefetches: int = 0
     prefetched_tokens: int = 0
+    replaced_host_tokens: int = 0
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -249,6 +251,13 @@ class TieredCache(KVCache, ABC):
         self.stats.evicted_tokens += len(gpu) + len(cpu)
         self.counters.deleted_gpu_tokens += len(gpu)
         self.counters.deleted_cpu_tokens += len(cpu)
+
+    def _replace_host_copy(self, node: Node, blocks: np.ndarray, slots: np.ndarray) -> None:
+        """A caller computed CPU `blocks` of `node` again (a request that did not match them, e.g.
+        one that asked for log-probabilities from its first token): the GPU copy in `slots`
+        replaces the host copy, whose rows go back to the host pool."""
+        self.host.release(self.tree.move(node, blocks, BlockState.GPU, slots))
+        self.counters.replaced_host_tokens += len(slots)
 
     def _queue(self, plan: TierPlan) -> None:
         self.counters.plans += 1

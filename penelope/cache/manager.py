@@ -24,7 +24,7 @@ from penelope.cache.arguments import check_alloc_memory, count, int_array
 from penelope.cache.hints import Hint
 from penelope.cache.policy import EvictionPolicy, get_policy
 from penelope.cache.slots import EMPTY_SLOTS, DeviceSlots, SlotAllocator
-from penelope.cache.tree import NO_SLOT, BlockState, Node, RadixTree
+from penelope.cache.tree import BlockState, Node, RadixTree
 from penelope.costmodel.recompute import RecomputeCost
 from penelope.errors import CacheFullError, InvariantError, UsageError
 
@@ -281,9 +281,10 @@ class KVCache:
     def insert(self, tokens, slots) -> InsertResult:
         """Cache `tokens` whose KV is in `slots` (`slots[i]` holds tokens[i]); takes every slot.
 
-        Blocks already resident keep their slots (different slots passed for them are freed);
-        holes on the path become resident with the passed slots; new whole blocks are added;
-        the partial last block's slots are freed."""
+        Blocks already on the GPU keep their slots (different slots passed for them are freed);
+        holes on the path become resident with the passed slots, and so do blocks on the CPU
+        tier (the caller computed them again: the GPU copy replaces the host copy, whose row is
+        freed); new whole blocks are added; the partial last block's slots are freed."""
         tokens = int_array(tokens, "tokens")
         slots = int_array(slots, "slots")
         if len(slots) != len(tokens):
@@ -300,16 +301,14 @@ class KVCache:
         stored = np.concatenate(parts) if parts else EMPTY_SLOTS
         passed = slots[:walked]
         differs = stored != passed
-        if any(node.n_resident < node.n_blocks for node in path):
-            missing = stored == NO_SLOT
-            refill, differs = passed[missing], differs & ~missing
+        if any(node.n_gpu < node.n_blocks for node in path):
+            # Holes and CPU blocks take the passed slots (a GPU slot number may equal the host
+            # slot number of a CPU block: still not a duplicate).
+            state = np.concatenate([np.repeat(node.state, bs) for node in path])[:walked]
+            taken = state != _GPU
+            refill, differs = passed[taken], differs & ~taken
         else:
             refill = EMPTY_SLOTS
-        if any(node.n_gpu < node.n_resident for node in path):
-            # Blocks on the CPU tier keep their host copy: slots passed for them are duplicates,
-            # even where a GPU slot number happens to equal the host slot number.
-            on_cpu = np.concatenate([np.repeat(node.state == _CPU, bs) for node in path])[:walked]
-            differs |= on_cpu
         # Usually the caller passes back the slots match() gave it: no duplicates to gather.
         duplicates = passed[differs] if differs.any() else EMPTY_SLOTS
         kept = np.concatenate([refill, slots[walked:full]])
@@ -320,8 +319,10 @@ class KVCache:
         for node in path:
             if node.n_resident < node.n_blocks:
                 blocks = np.flatnonzero(node.state == BlockState.MISSING)
-                where = (node.start + blocks[:, None] * bs + np.arange(bs)).ravel()
-                tree.refill(node, blocks, slots[where])
+                tree.refill(node, blocks, slots[_positions(node, blocks, bs)])
+            if node.n_gpu < node.n_resident:
+                blocks = np.flatnonzero(node.state == _CPU)
+                self._replace_host_copy(node, blocks, slots[_positions(node, blocks, bs)])
         if walked < full:
             leaf = tree.add_leaf(path[-1] if path else tree.root, tokens[walked:full], slots[walked:full])
             path.append(leaf)
@@ -332,6 +333,11 @@ class KVCache:
         if len(returned):
             self.allocator.free(returned)
         return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
+
+    def _replace_host_copy(self, node: Node, blocks: np.ndarray, slots: np.ndarray) -> None:
+        """CPU `blocks` of `node` become GPU-resident with `slots` (freshly computed KV); a cache
+        with a CPU tier frees their host rows. A GPU-only cache has no CPU blocks."""
+        raise InvariantError(f"{type(self).__name__} holds CPU blocks but has no CPU tier: {node!r}")
 
     def refill(self, handle: LockHandle, start: int, slots) -> np.ndarray:
         """Make the MISSING blocks of positions [start, start + len(slots)) on `handle`'s locked
@@ -492,3 +498,8 @@ class KVCache:
             computed = match.holes + [(match.compute_from, match.n_tokens)]
             stats.missed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
             stats.recomputed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
+
+
+def _positions(node: Node, blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Token positions of `blocks` (block indices within `node`), in order."""
+    return (node.start + blocks[:, None] * block_size + np.arange(block_size)).ravel()
