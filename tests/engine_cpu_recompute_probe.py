@@ -40,7 +40,8 @@ def main(model: str) -> None:
         engine.shutdown()
     want = [x[0] for x in first["meta_info"]["input_token_logprobs"]][:400]
     got = [x[0] for x in again["meta_info"]["input_token_logprobs"]]
-    diff = max(abs((a if a is not None else 0.0) - (b if b is not None else 0.0)) for a, b in zip(got, want, strict=True))
+    diff = max(abs((a if a is not None else 0.0) - (b if b is not None else 0.0))
+               for a, b in zip(got, want, strict=True))
     print(json.dumps({"finished": [r["meta_info"]["finish_reason"]["type"] for r in (first, *others, again)],
                       "max_logprob_diff": diff, "demoted_before": before["tier_demoted_tokens"],
                       "replaced_host_tokens": counters["tier_replaced_host_tokens"]}))
