@@ -45,8 +45,9 @@ class AgentTraffic:
     good one); they ask for log-probabilities from their first token, so they reuse no KV and
     insert blocks the cache may hold already, on either tier. `waits_for`: per session, what its
     requests tell the agent-aware policies through ``custom_params`` (``hints.HINT_KEY``):
-    "tool", "human", or None for no hint; sessions past the list send none. `think_s`: per session, seconds it waits after a reply before sending its
-    next turn (0 past the list), as a tool or a person takes time."""
+    "tool", "human", or None for no hint; sessions past the list send none. `think_s`: per
+    session, seconds it waits after a reply before sending its next turn (0 past the list), as a
+    tool or a person takes time."""
 
     sessions: int = 4
     turns: int = 5
