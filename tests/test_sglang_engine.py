@@ -68,9 +68,11 @@ def test_chunks_smaller_than_holes_and_an_abort_mid_prefill(model, reference):
     chunk, by their own requests (this setup hung the scheduler before). A 1,800-token request is
     aborted while it is being prefilled."""
     traffic = AgentTraffic(abort=True)
-    run = run_engine(model, traffic, EngineSetup(pool_tokens=2048, chunk=128), engine_env())
+    run = run_engine(model, traffic, EngineSetup(pool_tokens=2048, chunk=128, policy="penelope-agent"), engine_env())
     counters = check_against(run, reference)
     assert counters["evicted_tokens"] > 0 and counters["chunk_refill_tokens"] > 0
+    # The aborted request left the system (its session waits, for something unknown).
+    assert counters["hint_in_system"] == 0 and counters["hint_waiting_unknown"] == 7
     [aborted] = [r for r in run["requests"] if r["rid"] == "aborted"]
     # Aborted while it was SGLang's chunked request, between two of its chunks.
     assert aborted["aborted_mid_prefill"]

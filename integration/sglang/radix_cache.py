@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -262,21 +263,28 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         """A finished request's row is freed: tell the cache its session now waits, and for what
-        (``hints.wait_kind``), on the sequence the tree holds for it. A request released unfinished
-        (retracted to be rescheduled) is still in the system: nothing is said."""
+        (``hints.wait_kind``), on the sequence the tree holds for it (an aborted request: on its
+        prompt, wait kind unknown). A request released unfinished (retracted to be rescheduled)
+        is still in the system: nothing is said."""
         if self.disable or not req.finished() or getattr(req, _PHANTOM_OF, None) is not None:
             return
         namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=False)
         if namespace is None or not getattr(req, ARRIVAL, False):
             return
-        source = req.full_untruncated_fill_ids
-        n = min(len(source), req.kv.cache_protected_len) // self.block_size * self.block_size
-        try:
-            kind = wait_kind(req, self.options.tool_call_token)
-        except UsageError as error:
-            # One client's malformed hint must not stop the scheduler: its wait kind is unknown.
-            logger.warning("%s; its session's wait kind is unknown", error)
-            kind = None
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            # Aborted (by its client, or refused): it ends as it arrived, with its whole prompt,
+            # and nothing is known of what its session waits for.
+            source, kind = req.origin_input_ids, None
+            n = len(source) // self.block_size * self.block_size
+        else:
+            source = req.full_untruncated_fill_ids
+            n = min(len(source), req.kv.cache_protected_len) // self.block_size * self.block_size
+            try:
+                kind = wait_kind(req, self.options.tool_call_token)
+            except UsageError as error:
+                # One client's malformed hint must not stop the scheduler: its wait kind is unknown.
+                logger.warning("%s; its session's wait kind is unknown", error)
+                kind = None
         now = time.monotonic()
         self.cache.hint(key_tokens(source, n, namespace), Hint(now, FINISHED, kind))
         # A prefetching policy (penelope-agent over two tiers) may now bring a tool-waiting

@@ -137,11 +137,19 @@ class WaitBook:
         """Record a finished request's session as waiting; an older record of the same sequence
         (a prefix of it) is replaced. The request stops being in the system: the longest arrival
         whose sequence the finished one continues (a server may report the prompt on arrival,
-        less its last token, and the prompt and reply at the finish)."""
-        arrivals = [i for i, seen in enumerate(self.arrived_hashes)
-                    if len(seen) <= len(hashes) and (not len(seen) or seen[-1] == hashes[len(seen) - 1])]
-        if arrivals:
-            del self.arrived_hashes[max(arrivals, key=lambda i: len(self.arrived_hashes[i]))]
+        less its last token, and the prompt and reply at the finish), else the shortest one that
+        continues the finished sequence (a request that ended before all its prompt was cached)."""
+        shorter, longer = [], []
+        for i, seen in enumerate(self.arrived_hashes):
+            common = min(len(seen), len(hashes))
+            if len(seen) <= len(hashes) and (not common or seen[common - 1] == hashes[common - 1]):
+                shorter.append(i)
+            elif len(hashes) and seen[common - 1] == hashes[common - 1]:
+                longer.append(i)
+        if shorter or longer:
+            lengths = [len(seen) for seen in self.arrived_hashes]
+            del self.arrived_hashes[max(shorter, key=lengths.__getitem__) if shorter
+                                    else min(longer, key=lengths.__getitem__)]
         record = Waiting(hashes, hint.waits_for, float(hint.now), hint.foresight)
         if len(hashes):
             self.waiting = [w for w in self.waiting if not _same_session(w.hashes, hashes)]
