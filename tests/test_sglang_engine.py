@@ -66,7 +66,8 @@ def test_the_model_reads_early_tokens(reference):
 def test_chunks_smaller_than_holes_and_an_abort_mid_prefill(model, reference):
     """Chunks of 128 tokens, holes of up to 576: the holes are computed hole-first, chunk by
     chunk, by their own requests (this setup hung the scheduler before). A 1,800-token request is
-    aborted while it is being prefilled."""
+    aborted while it is being prefilled. Victims by penelope-agent, which must see the aborted
+    request leave the system."""
     traffic = AgentTraffic(abort=True)
     run = run_engine(model, traffic, EngineSetup(pool_tokens=2048, chunk=128, policy="penelope-agent"), engine_env())
     counters = check_against(run, reference)
