@@ -233,9 +233,10 @@ def test_ctrl_c_in_an_ensemble_keeps_the_finished_capacities(tmp_path, capsys, m
     assert len(payload["sweep"][0]["results"]["penelope"]["runs"]) == 2
 
 
-def _ensemble_process(tmp_path):
+def _ensemble_process(tmp_path, settle: float = 2.0):
     """`simulate` running a parallel ensemble (about a minute of work on two cores), in a process
-    group of its own, returned once its workers run: a signal comes long before the end."""
+    group of its own, returned `settle` seconds after its workers start: a signal comes long
+    before the end."""
     out = tmp_path / "sim.json"
     command = [sys.executable, "-m", "penelope.cli", "simulate", "--limit-sessions", "6", "--gpu-cache", "64K,96K",
                "--repeat", "30", "--jobs", "2", "--no-progress", "--json", str(out)]
@@ -245,7 +246,7 @@ def _ensemble_process(tmp_path):
     for text in iter(process.stdout.readline, ""):
         if text.startswith("ensemble:"):
             break
-    time.sleep(2)
+    time.sleep(settle)
     return process
 
 
@@ -256,6 +257,26 @@ def test_sigint_to_a_parallel_ensemble_is_one_line_and_130(tmp_path):
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
     assert err.count("\n") == 1 and err.startswith("penelope: interrupted") and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("settle", "sig", "code", "line"), [
+    (0.05, signal.SIGINT, 130, "penelope: interrupted"),
+    (0.2, signal.SIGINT, 130, "penelope: interrupted"),
+    (0.1, signal.SIGTERM, 143, "penelope: terminated"),
+])
+def test_a_signal_while_the_workers_start_is_not_lost(tmp_path, settle, sig, code, line):
+    """Ctrl-C (or SIGTERM) to the group while the worker processes are being started: held back
+    until they have started, then the command stops with one line, no traceback from a worker
+    caught half started (ignoring it there lost it: the whole ensemble ran and exited 0)."""
+    process = _ensemble_process(tmp_path, settle)
+    os.killpg(process.pid, sig)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the signal was lost: the ensemble kept running") from None
+    assert process.returncode == code, err
+    assert err.count("\n") == 1 and err.startswith(line) and "Traceback" not in err, err
 
 
 def test_sigterm_to_the_command_stops_it_and_its_workers(tmp_path):

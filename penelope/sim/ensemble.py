@@ -246,6 +246,9 @@ def run_ensembles(
     return [ensembles[c] for c in range(len(configs))]
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def _signals_ignored():
     """Ctrl-C and SIGTERM ignored in this process for a while (a second Ctrl-C must not break
@@ -259,6 +262,30 @@ def _signals_ignored():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM held back for a while, then delivered: blocked (so processes started
+    meanwhile inherit the block and ignore both while they import, until their initializer
+    ignores them for good) and, should another thread of this process take one, only noted by
+    the handler. Ignoring them instead lost them. Falls back to ignoring them where signals
+    cannot be blocked (outside the main thread it does nothing)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        with _signals_ignored():
+            yield
+        return
+    held: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in _STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -287,9 +314,10 @@ def _run_parallel(tasks, jobs: int, shared: tuple, progress, done) -> None:
     pool = concurrent.futures.ProcessPoolExecutor(
         max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(*shared, channel))
     try:
-        # Workers start while submitting; they inherit ignored signals until their initializer
-        # ignores them for good, so a Ctrl-C while they import prints no traceback there.
-        with _signals_ignored():
+        # Workers start while submitting, with Ctrl-C and SIGTERM blocked until their initializer
+        # ignores them for good, so a Ctrl-C while they import prints no traceback there; here
+        # the signal is delivered once they have started (ignoring it instead lost it).
+        with _signals_deferred():
             futures = {pool.submit(_run_in_worker, task): index for index, task in enumerate(tasks)}
         pending = set(futures)
         while pending:
