@@ -40,11 +40,11 @@ def parse_size(text: str | int, what: str = "size", allow_zero: bool = False, ma
 
 
 def parse_size_list(text: str, what: str = "sizes", maximum: int = MAX_SIZE) -> list[int]:
-    """A comma-separated list of sizes."""
+    """A comma-separated list of sizes, each once (in the order first given: `64K,65536` is one)."""
     items = [item for item in str(text).split(",") if item.strip()]
     if not items:
         raise UsageError(f"{what}: empty list")
-    return [parse_size(item, what, maximum=maximum) for item in items]
+    return list(dict.fromkeys(parse_size(item, what, maximum=maximum) for item in items))
 
 
 def format_size(tokens: int) -> str:

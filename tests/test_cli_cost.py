@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from penelope.cli import main
-from penelope.units import parse_size
+from penelope.units import parse_size, parse_size_list
 
 
 def test_table_and_json(tmp_path, capsys):
@@ -65,3 +65,5 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_sizes():
     assert parse_size("8K") == 8192 and parse_size("1M") == 1024**2 and parse_size("512") == 512
     assert parse_size("1.5K") == 1536
+    # A list names each size once, in the order first given.
+    assert parse_size_list("64K,32K,65536,64K") == [65536, 32768]

@@ -34,6 +34,8 @@ def test_the_wait_kind_comes_from_the_request_hint_then_the_reply_tokens():
     # The client's own hint wins over the reply's tokens.
     assert wait_kind(request([5, TOOL_CALL], {HINT_KEY: "human"}), TOOL_CALL) == "human"
     assert wait_kind(request([5], {HINT_KEY: "tool"}), None) == "tool"
+    # null is no hint: the reply's tokens decide.
+    assert wait_kind(request([5, TOOL_CALL], {HINT_KEY: None}), TOOL_CALL) == "tool"
     with pytest.raises(UsageError, match="request r1: custom_params\\['penelope_waits_for'\\] must be one of"):
         wait_kind(request([5], {HINT_KEY: "soon"}), None)
 
@@ -42,8 +44,9 @@ def test_tool_call_token_option():
     assert options_from({"tool_call_token": TOOL_CALL}, {}).tool_call_token == TOOL_CALL
     assert options_from(None, {"PENELOPE_TOOL_CALL_TOKEN": "151657"}).tool_call_token == TOOL_CALL
     assert options_from(None, {}).tool_call_token is None
-    with pytest.raises(UsageError, match="tool_call_token must be a token id"):
-        options_from({"tool_call_token": -1}, {})
+    for bad in (-1, 2**31, 10**30, True, 1.0):
+        with pytest.raises(UsageError, match="tool_call_token must be a token id"):
+            options_from({"tool_call_token": bad}, {})
     with pytest.raises(UsageError, match="policy 'oracle' is an offline reference"):
         options_from({"policy": "oracle"}, {})
     with pytest.raises(UsageError, match="PENELOPE_TOOL_CALL_TOKEN must be an integer"):
@@ -102,8 +105,21 @@ def test_a_request_that_reuses_no_prefix_still_arrives_with_its_whole_prompt():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"waits_for": ("soon",)}, "traffic waits_for holds tool, human or None per session"),
+    ({"waits_for": "tool"}, "traffic waits_for holds"),
+    ({"waits_for": None}, "traffic waits_for holds"),
+    ({"waits_for": ["tool"] * 5}, "at most 4"),
     ({"think_s": (-1,)}, "traffic think_s holds seconds in \\[0, 60\\)"),
     ({"think_s": ("1",)}, "traffic think_s holds seconds"),
+    ({"think_s": [True]}, "traffic think_s holds seconds"),
+    ({"think_s": 5}, "traffic think_s holds seconds"),
+    ({"sessions": "4"}, "traffic sessions must be an integer of at least 1"),
+    ({"sessions": 2.5}, "traffic sessions must be an integer"),
+    ({"sessions": True}, "traffic sessions must be an integer"),
+    ({"turns": None}, "traffic turns must be an integer"),
+    ({"system_tokens": 1.5}, "traffic system_tokens must be an integer"),
+    ({"abort_after": -1}, "traffic abort_after must be seconds"),
+    ({"abort_after": float("nan")}, "traffic abort_after must be seconds"),
+    ({"probe": 1}, "traffic probe must be true or false"),
 ])
 def test_bad_hinted_traffic_is_refused(fields, message):
     with pytest.raises(UsageError, match=message):

@@ -65,23 +65,26 @@ class AgentTraffic:
     think_s: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "waits_for", tuple(self.waits_for))
-        object.__setattr__(self, "think_s", tuple(self.think_s))
-        if not all(isinstance(t, (int, float)) and 0 <= t < 60 for t in self.think_s):
-            raise UsageError(f"traffic think_s holds seconds in [0, 60) per session, got {list(self.think_s)}")
-        if any(kind not in (None, *WAIT_KINDS) for kind in self.waits_for):
-            raise UsageError(f"traffic waits_for holds {', '.join(WAIT_KINDS)} or None per session, "
-                             f"got {list(self.waits_for)}")
-        for name in ("sessions", "turns", "max_new_tokens", "vocab"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"traffic {name} must be positive, got {getattr(self, name)}")
-        for name in ("system_tokens", "first_tokens", "growth_tokens", "abort_tokens", "seed"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"traffic {name} must be non-negative, got {getattr(self, name)}")
+        for name, low in (("sessions", 1), ("turns", 1), ("max_new_tokens", 1), ("vocab", 4), ("system_tokens", 0),
+                          ("first_tokens", 0), ("growth_tokens", 0), ("abort_tokens", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UsageError(f"traffic {name} must be an integer of at least {low}, got {value!r}")
         if self.system_tokens + self.first_tokens < 2:
             raise UsageError("a first turn needs at least 2 tokens")
-        if self.vocab < 4:
-            raise UsageError(f"traffic vocab must be at least 4, got {self.vocab}")
+        for name in ("abort", "probe"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"traffic {name} must be true or false, got {getattr(self, name)!r}")
+        if not _seconds(self.abort_after):
+            raise UsageError(f"traffic abort_after must be seconds in [0, 60), got {self.abort_after!r}")
+        for name, valid, what in (("waits_for", lambda kind: kind in (None, *WAIT_KINDS),
+                                   f"{', '.join(WAIT_KINDS)} or None"),
+                                  ("think_s", _seconds, "seconds in [0, 60)")):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or len(value) > self.sessions or not all(map(valid, value)):
+                raise UsageError(f"traffic {name} holds {what} per session (at most {self.sessions}), "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, tuple(value))
 
     def sampling(self, session: int) -> dict:
         """Session `session`'s sampling parameters: greedy, `max_new_tokens`, its hint if any."""
@@ -95,6 +98,10 @@ class AgentTraffic:
         last = self.system_tokens + self.first_tokens + (self.turns - 1) * (self.growth_tokens + self.max_new_tokens)
         extra = self.system_tokens + self.abort_tokens + 64 if self.abort else 0
         return self.sessions * (last + self.max_new_tokens) + extra + 4 * (last + 64)
+
+
+def _seconds(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < 60
 
 
 @dataclass(frozen=True)

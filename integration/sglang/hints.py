@@ -7,7 +7,7 @@ So the plugin reads the wait kind from what the request itself carries, in this 
 
 1. a per-request hint: ``custom_params={"penelope_waits_for": "tool" | "human"}`` in the
    sampling parameters (the OpenAI API's ``extra_body={"custom_params": {...}}``), for a client
-   that knows what its session waits for after this reply;
+   that knows what its session waits for after this reply (null is no hint);
 2. the reply's tokens, when the ``tool_call_token`` option names the token id that opens a tool
    call in the model's chat template (Qwen3's ``<tool_call>``: 151657): a reply that contains it
    ends in a tool call and its session waits for the tool; any other reply waits for a person;
@@ -27,8 +27,8 @@ def wait_kind(req, tool_call_token: int | None) -> str | None:
     """What the session of finished request `req` now waits for: "tool", "human" or None (see the
     module docstring). A malformed per-request hint raises UsageError naming the request."""
     custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    if HINT_KEY in custom:
-        kind = custom[HINT_KEY]
+    kind = custom.get(HINT_KEY)
+    if kind is not None:
         if kind not in WAIT_KINDS:
             raise UsageError(f"penelope: request {req.rid}: custom_params[{HINT_KEY!r}] must be one of "
                              f"{', '.join(WAIT_KINDS)}, got {kind!r}")

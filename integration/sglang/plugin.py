@@ -100,8 +100,8 @@ class PenelopeOptions:
                                      f"{self.block_size} tokens" + (" (0 turns the CPU tier off)"
                                                                     if name == "cpu_cache" else ""))
         if self.tool_call_token is not None and (isinstance(self.tool_call_token, bool) or not isinstance(
-                self.tool_call_token, numbers.Integral) or self.tool_call_token < 0):
-            raise UsageError(f"penelope: tool_call_token must be a token id (a non-negative integer), "
+                self.tool_call_token, numbers.Integral) or not 0 <= self.tool_call_token < 2**31):
+            raise UsageError(f"penelope: tool_call_token must be a token id (an integer in [0, 2**31)), "
                              f"got {_shown(self.tool_call_token)}")
         if self.copy not in COPY_MODES:
             raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
