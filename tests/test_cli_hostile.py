@@ -381,3 +381,11 @@ def test_a_mooncake_trace_of_requests_over_the_window_says_so(tmp_path, capsys):
     one_error(capsys, "all 1 requests are longer than --max-context 131,072")
     assert main(["simulate", "--trace", "/dev/zero", "--format", "mooncake", "--no-progress"]) == 2
     one_error(capsys, "/dev/zero: not a regular file")
+
+
+def test_a_host_tier_beyond_the_slots_is_refused_before_any_output(capsys):
+    """Found before any work starts: nothing on stdout (the header was printed first before)."""
+    assert main(["simulate", "--gpu-cache", "2147483000", "--cpu-cache", "2147483000", "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "--cpu-cache 2147483000 + --swap-buffer 1024 is beyond the 2**31 host slots" in captured.err

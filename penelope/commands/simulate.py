@@ -274,6 +274,9 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     if getattr(args, "swap_buffer", None) is not None and not cpu_cache:
         raise UsageError("--swap-buffer applies to the two tiers: give --cpu-cache too")
     swap_buffer = parse_size(getattr(args, "swap_buffer", None) or "1K", "--swap-buffer")
+    if cpu_cache and cpu_cache + swap_buffer >= 2**31:
+        raise UsageError(f"--cpu-cache {cpu_cache} + --swap-buffer {swap_buffer} is beyond the 2**31 host slots "
+                         "the cache can address")
     chunk_size = parse_size(args.chunk_size, "--chunk-size")
 
     routers = routers_from_args(args, sweep=sweep_routers)
