@@ -4,28 +4,16 @@ asking for log-probabilities from its first token: SGLang matches none of it, so
 compute and insert blocks the CPU tier holds (this stopped the scheduler before). Prints a JSON
 line: finish reasons, the largest difference of the recomputed input log-probabilities from the
 first run's, and the tier counters."""
-import asyncio
 import json
-import random
 import sys
 
-import sglang
+from engine_probe import blocking, cpu_engine, drawer
 
 
 def main(model: str) -> None:
-    engine = sglang.Engine(model_path=model, skip_tokenizer_init=True, dtype="float32", device="cpu",
-                           attention_backend="torch_native", disable_cuda_graph=True, random_seed=0,
-                           max_total_tokens=2048, page_size=64, chunked_prefill_size=128, max_running_requests=4,
-                           radix_cache_backend="penelope", log_level="warning", mem_fraction_static=0.5,
-                           radix_eviction_policy_config={"policy": "penelope", "cpu_cache": 2048})
-    rng = random.Random(0)
-
-    def draw(n):
-        return [rng.randrange(3, 1000) for _ in range(n)]
-
-    def run(coro):
-        return engine.loop.run_until_complete(asyncio.wait_for(coro, 300))
-
+    engine = cpu_engine(model, max_total_tokens=2048, page_size=64, chunked_prefill_size=128, max_running_requests=4,
+                        radix_eviction_policy_config={"policy": "penelope", "cpu_cache": 2048})
+    draw, run = drawer(), blocking(engine)
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     history = draw(700)
     try:

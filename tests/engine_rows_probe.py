@@ -1,27 +1,15 @@
 """Run by tests/test_sglang_engine.py in its own process: SGLang's real Engine on CPU with two
 request rows, where a request with one hole (one phantom) and a fresh request arrive together.
 Prints a JSON line: finish reasons, cached tokens and the phantoms run."""
-import asyncio
 import json
-import random
 import sys
 
-import sglang
+from engine_probe import blocking, cpu_engine, drawer
 
 
 def main(model: str) -> None:
-    engine = sglang.Engine(model_path=model, skip_tokenizer_init=True, dtype="float32", device="cpu",
-                           attention_backend="torch_native", disable_cuda_graph=True, random_seed=0,
-                           max_total_tokens=1024, page_size=16, chunked_prefill_size=-1, max_running_requests=2,
-                           radix_cache_backend="penelope", log_level="warning", mem_fraction_static=0.5)
-    rng = random.Random(0)
-
-    def draw(n):
-        return [rng.randrange(3, 1000) for _ in range(n)]
-
-    def run(coro):
-        return engine.loop.run_until_complete(asyncio.wait_for(coro, 300))
-
+    engine = cpu_engine(model, max_total_tokens=1024, page_size=16, chunked_prefill_size=-1, max_running_requests=2)
+    draw, run = drawer(), blocking(engine)
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     try:
         system = draw(128)
