@@ -149,9 +149,10 @@ class PenelopeRadixCache(BasePrefixCache):
             setattr(req, REFILL, None)
         if self.disable or key.is_bigram:
             return self._empty
+        # A request's namespace is numbered at its arrival, so that its finish can be reported.
+        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=req is not None)
         if req is not None:
-            self._report_arrival(req, self.namespaces.number(key.extra_key, key.cache_salt, create=True))
-        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=False)
+            self._report_arrival(req, namespace)
         n = len(key) // self.block_size * self.block_size
         if namespace is None or n == 0:
             return self._empty
