@@ -367,8 +367,7 @@ class KVCache:
                 raise UsageError(f"refill [{start}, {end}) covers blocks on the CPU tier: load them first")
             blocks = blocks[node.state[blocks] == _MISSING]
             if len(blocks):
-                where = (node.start - start + blocks[:, None] * bs + np.arange(bs)).ravel()
-                taken.append((node, blocks, slots[where]))
+                taken.append((node, blocks, slots[_positions(node, blocks, bs) - start]))
         new = np.concatenate([s for _, _, s in taken]) if taken else EMPTY_SLOTS
         self.allocator.check_outstanding(new)
         for node, blocks, block_slots in taken:

@@ -34,7 +34,6 @@ PAPER_GRID = ("leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {}
 _CANONICAL: list[str] = []
-_UNLISTED: list[str] = []
 
 
 def register(name: str, *aliases: str, listed: bool = True):
@@ -50,7 +49,8 @@ def register(name: str, *aliases: str, listed: bool = True):
         for key in keys:
             _REGISTRY[key] = cls
         cls.name = name
-        (_CANONICAL if listed else _UNLISTED).append(name)
+        if listed:
+            _CANONICAL.append(name)
         return cls
 
     return decorate
