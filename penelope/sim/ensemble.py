@@ -43,6 +43,8 @@ CHANGES = (*CHANGE_FIELDS, "hit_rate_points")
 HIGHER_IS_BETTER = ("hit_rate_points",)
 # A progress message from a worker every this many finished requests.
 PROGRESS_BATCH = 64
+# What a terminal or a service manager sends to stop the command (and its workers).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def default_jobs() -> int:
@@ -180,8 +182,8 @@ def _start_worker(workload, configs, time_model, cost_model, perturbation, chann
     global _WORKER
     # Ctrl-C and SIGTERM reach every process of the terminal's (or service's) group: workers
     # ignore them and the parent, which owns the outcome, stops them (`_stop_workers`).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     _WORKER = _Replayer(workload, configs, time_model, cost_model, perturbation, _QueueProgress(channel))
 
 
@@ -246,9 +248,6 @@ def run_ensembles(
     return [ensembles[c] for c in range(len(configs))]
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 @contextlib.contextmanager
 def _signals_ignored():
     """Ctrl-C and SIGTERM ignored in this process for a while (a second Ctrl-C must not break
@@ -256,7 +255,7 @@ def _signals_ignored():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
     try:
         yield
     finally:
