@@ -86,10 +86,11 @@ class AgentTraffic:
                                  f"got {value!r}")
             object.__setattr__(self, name, tuple(value))
 
-    def sampling(self, session: int) -> dict:
-        """Session `session`'s sampling parameters: greedy, `max_new_tokens`, its hint if any."""
+    def sampling(self, session: int | None = None) -> dict:
+        """Sampling parameters: greedy, `max_new_tokens`, and session `session`'s hint if it has
+        one (None: a request of no session, a probe)."""
         params = {"temperature": 0, "max_new_tokens": self.max_new_tokens, "ignore_eos": True}
-        if session < len(self.waits_for) and self.waits_for[session] is not None:
+        if session is not None and session < len(self.waits_for) and self.waits_for[session] is not None:
             params["custom_params"] = {HINT_KEY: self.waits_for[session]}
         return params
 
@@ -232,7 +233,7 @@ def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: 
                 # probe computes again, and inserts, blocks the cache may hold on either tier.
                 reply = await engine.async_generate(
                     input_ids=prompt, rid=f"probe{i}", return_logprob=True, logprob_start_len=0,
-                    sampling_params={"temperature": 0, "max_new_tokens": traffic.max_new_tokens, "ignore_eos": True})
+                    sampling_params=traffic.sampling())
                 out.append(_record(f"probe{i}", len(prompt), reply))
 
     try:
