@@ -110,3 +110,25 @@ def test_exactly_the_holes_and_the_new_tokens_are_computed(request):
         want = [p for a, b in holes for p in range(a, b)] + list(range(compute_from, total))
     assert done == sorted(want)
     assert len(set(done)) == len(done)
+
+
+def test_without_riders_holes_are_computed_first_or_dropped():
+    """Where the attention backend reads a batch's prefix before storing it, no phantom rides."""
+    plan = plan_refill(HOLES, 512, 65, 10_000, 3, 64, riders=False)
+    assert plan.riders == () and plan.hole_first and plan.compute_from == 128
+    assert plan_refill(HOLES, 512, 65, None, 3, 64, riders=False) == RefillPlan((), 128)
+
+
+def test_the_jumped_resident_tokens_of_a_hole_first_plan():
+    """[256, 384) and [448, 512) are resident between the holes and the new tokens."""
+    assert plan_refill(HOLES, 512, 65, 64, 3, 64).jumped_tokens == 128 + 64
+    assert plan_refill(HOLES, 512, 65, 10_000, 3, 64).jumped_tokens == 0
+
+
+def test_aligned_chunks_need_an_alignment_unit_of_own_tokens_beside_riders():
+    """A scheduler that cuts chunks at multiples of 4096 (deterministic mode) computes none of the
+    request's own tokens beside riders that leave less than 4096 of the budget: riders only when
+    the request's whole extend fits beside them, or a whole unit of it does."""
+    assert plan_refill(HOLES, 512, 65, 4096, 3, 64, own_chunk=4096).riders == tuple(HOLES)
+    assert plan_refill(HOLES, 512, 5000, 4096, 3, 64, own_chunk=4096).hole_first
+    assert plan_refill(HOLES, 512, 5000, 4096 + 192, 3, 64, own_chunk=4096).riders == tuple(HOLES)

@@ -22,15 +22,19 @@ from pathlib import Path
 import pytest
 
 from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
+from penelope.integration.sglang.script_traffic import ScriptTraffic
 from penelope.integration.sglang.verify import compare, run_engine, tiny_model
 
 STUB = Path(__file__).parent / "engine_stub"
+# A test-only SGLang plugin (its dist-info beside it): ``flashinfer`` as a CPU backend that reads
+# a batch's cached prefixes before it stores the batch's K/V, as FlashInfer's ragged prefill does.
+READ_BEFORE_STORE = Path(__file__).parent / "read_before_store"
 TRAFFIC = AgentTraffic()
 ATOL = 1e-3
 
 
-def engine_env(**extra) -> dict:
-    path = os.pathsep.join(p for p in (str(STUB), os.environ.get("PYTHONPATH", "")) if p)
+def engine_env(*paths: Path, **extra) -> dict:
+    path = os.pathsep.join(p for p in (str(STUB), *map(str, paths), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
             "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **extra}
 
@@ -91,6 +95,54 @@ def test_phantoms_ride_in_the_requests_batch(riders, reference):
     batch, on SGLang's own torch attention backend."""
     counters = check_against(riders, reference)
     assert counters["phantoms"] > 0 and counters["phantom_tokens"] == counters["rider_tokens"] > 0
+
+
+def test_a_backend_that_reads_the_prefix_before_storing_gets_no_riders(model):
+    """On FlashInfer's order (the cached prefix read from the pool, then the batch's K/V stored),
+    a rider's hole would be read before the rider writes it. The plugin refills holes hole-first
+    there, also where riders would fit the chunk: tokens identical to the never-evicting run."""
+    flashinfer = {"attention_backend": "flashinfer"}
+    # No flashinfer package on CPU: its version check would refuse the name.
+    env = engine_env(READ_BEFORE_STORE, SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK="1")
+    reference = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=16384, extra=flashinfer), env)
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=2048, extra=flashinfer), env)
+    counters = check_against(run, reference)
+    assert counters["evicted_tokens"] > 0 and counters["phantoms"] == 0 and counters["chunk_refill_tokens"] > 0
+
+
+# A 1,600-token history (128 shared), other traffic that evicts its front while the 2,048-token
+# pool stays nearly full, then the history's next turn: a front hole before a long resident tail.
+FRONT_HOLE = ScriptTraffic(steps=(("a1", ("system", 1472)), ("b", ("system", 832)), ("a2", ("a1", 100)),
+                                  ("c", ("system", 700)), ("a3", ("a2", 60))), system_tokens=128)
+
+
+def check_cached_tokens(run: dict) -> None:
+    """What the server reported cached plus what it computed is each prompt, request by request:
+    a refilled hole is computed, never cached."""
+    for r in run["requests"]:
+        assert r["cached_tokens"] + r["computed_tokens"] == r["prompt_tokens"], r
+
+
+@pytest.mark.parametrize(("chunk", "options"), [(128, {}), (2048, {}), (128, {"PENELOPE_PHANTOMS": "0"})],
+                         ids=["hole-first", "riders", "no-phantoms"])
+def test_a_front_hole_before_a_long_resident_tail_is_served(model, chunk, options):
+    """The request's next turn is admitted in a nearly full pool: SGLang charged a hole-first
+    request its whole prompt from the hole (the locked tail included), and without phantoms the
+    lock kept the tail it recomputes; either way the scheduler waited beside it forever. Tokens
+    as on a never-evicting pool; cached_tokens is what was reused."""
+    env = engine_env(**options)
+    reference = run_engine(model, FRONT_HOLE, EngineSetup(pool_tokens=8192, chunk=chunk), env)
+    run = run_engine(model, FRONT_HOLE, EngineSetup(pool_tokens=2048, chunk=chunk), env, timeout=240)
+    result = compare(run, reference, ATOL)
+    assert result["identical_tokens"] and result["unfinished"] == 0, result
+    assert result["max_logprob_diff"] <= ATOL
+    counters = run["counters"]
+    assert counters["evicted_tokens"] > 0
+    if not options:
+        refilled = counters["phantom_tokens"] if chunk == 2048 else counters["chunk_refill_tokens"]
+        assert refilled > 0
+    check_cached_tokens(run)
+    check_cached_tokens(reference)
 
 
 def test_two_tiers(model, reference, riders):

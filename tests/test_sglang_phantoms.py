@@ -10,6 +10,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang_env import Serving, blocks, sglang_config
 
+from penelope.errors import UsageError
 from penelope.integration.sglang import hooks
 
 
@@ -23,7 +24,8 @@ def _config():
 def budget_hooks(monkeypatch):
     """PrefillAdder's budget methods with Penelope's hooks around them, as HookRegistry does."""
     for name, hook in (("_request_slot_reserve_for_req", hooks._reserve_hole_slots),
-                       ("_replay_len", hooks._charge_hole_compute)):
+                       ("_replay_len", hooks._charge_hole_compute),
+                       ("_check_prefill_budget", hooks._check_budget)):
         original = getattr(PrefillAdder, name)
         monkeypatch.setattr(PrefillAdder, name, lambda self, *a, _o=original, _h=hook, **k: _h(_o, self, *a, **k))
 
@@ -44,10 +46,90 @@ def new_adder(serving, chunk: int | None = 8192) -> PrefillAdder:
     return PrefillAdder(64, serving.cache, serving.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, chunk)
 
 
-def admit(serving, adder, tokens, has_chunked_req=False):
+def admit(serving, adder, tokens, has_chunked_req=False, align=None):
     req = serving.new_request(tokens)
     req.init_next_round_input(serving.cache)
-    return req, hooks._admit(PrefillAdder.add_one_req, adder, req, has_chunked_req, None)
+    return req, hooks._admit(PrefillAdder.add_one_req, adder, req, has_chunked_req, align)
+
+
+def nearly_full(**options):
+    """A 2,560-token pool: session A's 30 blocks (2 shared) lost 6 blocks after the shared prefix
+    to session B, and the pool holds 2,048 tokens. A's next turn, which adds a block, is returned:
+    its hole [128, 512) lies before 1,408 resident tokens, which its lock holds while it waits."""
+    serving = Serving(size=64 * 40, page_size=64, **options)
+    system = blocks(1000, 2)
+    a = system + blocks(1, 28)
+    serving.prefill([a + [7]])
+    serving.prefill([system + blocks(5000, 8) + [8]])
+    serving.cache.evict(EvictParams(num_tokens=384))
+    assert serving.allocator.available_size() == 512 and serving.cache.evictable_size() == 128 + 1408 + 512
+    return serving, a + blocks(9000, 1) + [9]
+
+
+def serve_whole_prefill(serving, req, chunk):
+    """Run the request's chunks, as the scheduler does, until its prompt is computed."""
+    while True:
+        batch = serving.build_batch([req])
+        serving.forward(batch)
+        serving.check_row(req)
+        if req.extend_end == len(req.full_untruncated_fill_ids):
+            serving.finish(batch)
+            return
+        serving.finish(batch, keep_running=True)
+        req.init_next_round_input()
+        following = new_adder(serving, chunk=chunk)
+        assert hooks._continue_chunk(PrefillAdder.add_chunked_req, following, req) in (None, req)
+        serving.running.remove(req)
+
+
+def test_a_hole_first_request_is_not_charged_the_resident_tail_it_jumps(budget_hooks):
+    """SGLang charges a new request its whole prompt after its prefix against the free and
+    evictable pool; a hole-first request's prefix is its hole, and its locked resident tail would
+    be charged too: 1,921 tokens against 1,024 free or evictable, refused at every step with
+    nothing else running."""
+    serving, tokens = nearly_full()
+    adder = new_adder(serving, chunk=128)
+    req, result = admit(serving, adder, tokens)
+    assert adder.can_run_list == [req] and (req.prefix_len, req.extend_end) == (128, 256), result
+    serve_whole_prefill(serving, req, chunk=128)
+    assert serving.cache.chunk_refill_tokens == 384
+    assert serving.accounting()[0] == serving.total
+    serving.cache.check_invariants()
+
+
+def test_without_phantoms_the_lock_leaves_the_recomputed_tail_evictable(budget_hooks):
+    """Without phantoms the request recomputes everything after its hole: its lock must not hold
+    the resident tail it will compute again (held, it is charged and unevictable at once)."""
+    serving, tokens = nearly_full(phantoms=False)
+    adder = new_adder(serving, chunk=4096)
+    req, result = admit(serving, adder, tokens)
+    assert adder.can_run_list == [req] and req.prefix_len == 128 and req.extend_end == len(tokens), result
+    serve_whole_prefill(serving, req, chunk=4096)
+    assert serving.accounting()[0] == serving.total
+    serving.cache.check_invariants()
+
+
+def test_an_aligned_scheduler_still_cuts_a_hole_first_chunk_at_the_hole(budget_hooks):
+    """Deterministic inference on FlashInfer aligns chunks to 4096 tokens (truncation_align_size)
+    and gets no riders: a first chunk capped at a 384-token hole's end was rounded down to nothing
+    and refused at every step."""
+    serving, tokens = nearly_full(backend="flashinfer")
+    adder = new_adder(serving, chunk=4096)
+    req, _ = admit(serving, adder, tokens, align=4096)
+    assert adder.can_run_list == [req] and (req.prefix_len, req.extend_end) == (128, 512)
+    serve_whole_prefill(serving, req, chunk=4096)
+    serving.cache.check_invariants()
+
+
+def test_no_riders_on_a_backend_that_reads_the_prefix_before_storing(holed):
+    """FlashInfer reads a batch's cached prefix before it stores the batch's K/V: its holes are
+    refilled hole-first even where riders fit; asking for riders there is refused in one line."""
+    serving = Serving(size=64 * 40, page_size=64, backend="flashinfer")
+    assert not serving.cache.riders
+    with pytest.raises(UsageError, match="refill 'riders' is unsafe here: the flashinfer attention backend"):
+        Serving(size=64 * 40, page_size=64, backend="flashinfer", refill="riders")
+    assert Serving(size=64 * 40, page_size=64, backend="fa3", refill="riders").cache.riders
+    assert not Serving(size=64 * 40, page_size=64, backend="fa3", refill="hole-first").cache.riders
 
 
 def test_riders_are_charged_to_the_budgets(holed, budget_hooks):
@@ -61,7 +143,11 @@ def test_riders_are_charged_to_the_budgets(holed, budget_hooks):
     req, result = admit(serving, adder, tokens)
     assert result == AddReqResult.CONTINUE and serving.cache.rider_holes(req) == [(128, 256)]
     assert req.prefix_len == 512 and req.extend_end == len(tokens)
-    assert adder.log_replay_tokens - plain.log_replay_tokens == 128
+    # The hole is computed in this step: a new token, neither a cache hit nor a replayed token.
+    assert plain.log_hit_tokens - adder.log_hit_tokens == 128
+    assert plain.log_device_hit_tokens - adder.log_device_hit_tokens == 128
+    assert adder.log_input_tokens - plain.log_input_tokens == 128
+    assert adder.log_replay_tokens == plain.log_replay_tokens
     assert plain.rem_chunk_tokens - adder.rem_chunk_tokens == 128
     assert plain.rem_input_tokens - adder.rem_input_tokens == 128
     assert adder.memory_budget.total_offset - plain.memory_budget.total_offset == 128

@@ -160,7 +160,8 @@ holed.check_row(req)
 members = [(r.prefix_len, r.extend_end) for r in batch.reqs]
 batch.filter_batch()
 print(json.dumps({
-    "replay_tokens": adder.log_replay_tokens, "members": members, "after_filter": len(batch.reqs),
+    "tokens": [adder.log_input_tokens, adder.log_hit_tokens, adder.log_replay_tokens, req.cached_tokens],
+    "members": members, "after_filter": len(batch.reqs),
     "backends": registered_radix_cache_backends(),
     "hooks_active": hooks.hooks_active(),
     "triton_is_penelope": ATTENTION_BACKENDS["triton"] is attention.create_penelope_triton_backend,
@@ -192,5 +193,6 @@ def test_plugin_loads_through_sglang_load_plugins(tmp_path):
     assert report == {**report, "cache": "PenelopeRadixCache", "policy": "leaf-head-block", "block": 128,
                       "phantoms": True}
     # Through the patched PrefillAdder, ScheduleBatch.init_new / prepare_for_extend / filter_batch.
-    assert report["replay_tokens"] == 128
+    # (new, hit, replayed) tokens of the step and the request's cached_tokens: the hole is computed.
+    assert report["tokens"] == [1 + 128, 512 - 128, 0, 512 - 128]
     assert report["members"] == [[128, 256], [512, 513]] and report["after_filter"] == 1

@@ -28,6 +28,7 @@ from penelope.cache.hints import WAIT_KINDS
 from penelope.errors import UsageError
 
 from .hints import HINT_KEY
+from .script_traffic import ScriptTraffic, serve_script
 
 CACHES = ("penelope", "default")
 
@@ -211,18 +212,29 @@ def _record(rid: str, prompt_len: int, reply: dict) -> dict:
             "output_logprobs": [x[0] for x in meta.get("output_token_logprobs") or []]}
 
 
-def run_traffic(model: str, traffic: AgentTraffic, setup: EngineSetup, timeout: float = 600) -> dict:
+def traffic_from(fields: dict) -> AgentTraffic | ScriptTraffic:
+    """The traffic a JSON object describes: a script when it has `steps`."""
+    return ScriptTraffic(**fields) if "steps" in fields else AgentTraffic(**fields)
+
+
+def run_traffic(model: str, traffic: AgentTraffic | ScriptTraffic, setup: EngineSetup, timeout: float = 600) -> dict:
     """Serve `traffic` on a new Engine and return what `main` writes as JSON."""
     import sglang
 
     started = time.perf_counter()
     engine = sglang.Engine(**setup.engine_args(model))
     ready = time.perf_counter()
-    firsts, growth, aborted, probes = traffic_tokens(traffic)
     out: list[dict] = []
     idle = _counters(engine)
 
+    async def counters() -> dict:
+        return (await engine.tokenizer_manager.get_internal_state())[0].get("penelope") or {}
+
     async def serve():
+        if isinstance(traffic, ScriptTraffic):
+            out.extend(await serve_script(engine, traffic, _record, counters))
+            return
+        firsts, growth, aborted, probes = traffic_tokens(traffic)
         tasks = [_session(engine, i, list(first), growth[i], traffic, out) for i, first in enumerate(firsts)]
         if traffic.abort:
             tasks.append(_aborted(engine, aborted, traffic.abort_after, out))
@@ -265,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = run_traffic(args.model, AgentTraffic(**json.loads(args.traffic)), EngineSetup(**json.loads(args.setup)),
+    result = run_traffic(args.model, traffic_from(json.loads(args.traffic)), EngineSetup(**json.loads(args.setup)),
                          args.timeout)
     with open(args.out, "w") as f:
         json.dump(result, f)

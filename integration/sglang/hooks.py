@@ -18,6 +18,8 @@ span), admission decides how they are refilled (``penelope.cache.refill``, ``pla
 |                                                         | and the free request rows                   |
 | ``PrefillAdder._request_slot_reserve_for_req``          | rider tokens to the request's KV reserve    |
 | ``PrefillAdder._replay_len``                            | rider tokens to the prefill compute budget  |
+| ``PrefillAdder._check_prefill_budget``                  | a hole-first request is not charged the     |
+|                                                         | resident spans it jumps over                |
 | ``PrefillAdder.add_chunked_req``                        | hole-first jumps; the chunk stops at the    |
 |                                                         | hole's end                                  |
 | ``ScheduleBatch.init_new``                              | the riders, each before its request         |
@@ -122,7 +124,7 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
     if not cache.load_for(req):
         # Its CPU spans cannot come back to the GPU now: too much KV is locked.
         return AddReqResult.NO_TOKEN
-    plan = cache.plan_admission(req, adder.rem_chunk_tokens, rows)
+    plan = cache.plan_admission(req, adder.rem_chunk_tokens, rows, truncation_align_size)
     if has_chunked_req and adder.rem_chunk_tokens is not None and (
             (plan is not None and plan.hole_first) or _chunk_need(adder, req, cache) > adder.rem_chunk_tokens):
         # A chunked request continues past this step and SGLang tracks one at a time. Its chunk
@@ -133,17 +135,34 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
         result = original(adder, req, has_chunked_req, truncation_align_size)
         if plan is not None and plan.riders and adder.can_run_list and adder.can_run_list[-1] is req:
             setattr(adder, _RIDER_ROWS, getattr(adder, _RIDER_ROWS, 0) + len(plan.riders))
+            _count_riders_as_computed(adder, req, plan.rider_tokens)
         return result
     # Hole-first: the first chunk must end where the first hole ends, never in the resident span
     # after it. SGLang chunks at rem_chunk_tokens; narrow it for this call and charge the rest.
     budget = adder.rem_chunk_tokens
     cap = min(budget, plan.first_chunk_end - plan.compute_from)
     adder.rem_chunk_tokens = cap
+    if cap < budget:
+        # A chunk that stops at a hole's end stops at a block boundary fixed by the cache, not at
+        # the scheduler's alignment (deterministic mode's 4096 would round it down to nothing).
+        truncation_align_size = None
     try:
         result = original(adder, req, has_chunked_req, truncation_align_size)
     finally:
         adder.rem_chunk_tokens = budget - (cap - adder.rem_chunk_tokens)
     return adder.budget_state() if adder.can_run_list and adder.can_run_list[-1] is req else result
+
+
+def _count_riders_as_computed(adder, req, tokens: int) -> None:
+    """SGLang counted a rider request's whole prefix as cache hits and its riders' holes as
+    replayed tokens; the holes were recomputed, so they are new tokens of this step, not hits."""
+    adder.log_hit_tokens -= tokens
+    adder.log_device_hit_tokens -= tokens
+    adder.log_replay_tokens -= tokens
+    adder.log_input_tokens += tokens
+    if req.retracted_stain:
+        adder.reprocessed_log_hit_tokens -= tokens
+        adder.reprocessed_log_input_tokens += tokens
 
 
 def _chunk_need(adder, req, cache: PenelopeRadixCache) -> int:
@@ -152,10 +171,31 @@ def _chunk_need(adder, req, cache: PenelopeRadixCache) -> int:
     return adder.ceil_paged_tokens(extend) + cache.hole_tokens(req)
 
 
+def _check_budget(original, adder, req, *, extend_input_len, total_tokens, **kwargs):
+    """SGLang charges a new request its whole prompt after its prefix; a hole-first request's
+    prefix is its first hole, and the resident spans it jumps over hold their KV already. Charged
+    to the pool budget that leaves them out (they are locked), a request with a long resident tail
+    would never fit a nearly full pool, and the scheduler would wait beside it forever."""
+    cache = adder.tree_cache
+    if isinstance(cache, PenelopeRadixCache):
+        jumped = cache.jumped_tokens(req)
+        extend_input_len -= jumped
+        total_tokens -= jumped
+    return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+
+
 def _continue_chunk(original, adder, req):
     cache = adder.tree_cache
     if isinstance(cache, PenelopeRadixCache):
+        before = req.prefix_len
         cap = cache.continue_chunk(req)
+        # The resident span jumped over is read from the cache: a hit of this step, and of the
+        # request (prepare_for_extend adds it to cached_tokens, but splits it by tier only once).
+        jumped = req.prefix_len - before
+        adder.log_hit_tokens += jumped
+        adder.log_device_hit_tokens += jumped
+        if jumped and not req.retracted_stain and req._cache_breakdown_computed:
+            req.cached_tokens_device += jumped
         if cap is not None:
             limit = adder.chunked_req_limit
             adder.chunked_req_limit = cap if limit is None else min(limit, cap)
@@ -200,6 +240,12 @@ def _link_rows(original, batch):
     if riders:
         for req, phantoms in riders:
             batch.tree_cache.link_riders(req, phantoms)
+            if not req.retracted_stain:
+                # prepare_for_extend counted the request's whole prefix as cached; its riders'
+                # holes are computed by this batch (users bill and route on cached_tokens).
+                holes = sum(p.extend_len for p in phantoms)
+                req.cached_tokens -= holes
+                req.cached_tokens_device = max(req.cached_tokens_device - holes, 0)
         setattr(batch, _RIDERS, None)
     return result
 
@@ -262,6 +308,7 @@ HOOKS = {
     f"{_ADDER}.add_chunked_req": _continue_chunk,
     f"{_ADDER}._request_slot_reserve_for_req": _reserve_hole_slots,
     f"{_ADDER}._replay_len": _charge_hole_compute,
+    f"{_ADDER}._check_prefill_budget": _check_budget,
     f"{_BATCH}.init_new": _add_phantoms,
     f"{_BATCH}.prepare_for_extend": _link_rows,
     f"{_FORWARD}.init_new": _attach_segments,

@@ -16,6 +16,8 @@ overrides the variable of the same option:
 | ``phantoms``  | ``PENELOPE_PHANTOMS``  | true       | refill holes with phantom prefills               |
 | ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
 | ``tool_call_token`` | ``PENELOPE_TOOL_CALL_TOKEN`` | none | token id opening a tool call in a reply (``hints.py``) |
+| ``refill``    | ``PENELOPE_REFILL``    | auto       | how holes are refilled (``backends.py``): ``auto``, |
+|               |                        |            | ``riders`` (refused where unsafe), ``hole-first`` |
 
 By default a block is one SGLang page, so the cache keeps what SGLang's own radix cache would keep
 (every token with page size 1, whole pages otherwise). ``attention`` is read when the plugin loads
@@ -35,6 +37,8 @@ from pathlib import Path
 from penelope.cache.policy import get_policy, policy_names
 from penelope.errors import UsageError
 
+from .backends import REFILL_MODES, prefill_backend, riders_allowed
+
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "penelope"
@@ -43,7 +47,7 @@ COPY_MODES = ("auto", "triton", "naive")
 _ENV = {"policy": "PENELOPE_POLICY", "block_size": "PENELOPE_BLOCK_SIZE",
         "swap_buffer": "PENELOPE_SWAP_BUFFER", "phantoms": "PENELOPE_PHANTOMS",
         "attention": "PENELOPE_ATTENTION", "cpu_cache": "PENELOPE_CPU_CACHE", "copy": "PENELOPE_COPY",
-        "tool_call_token": "PENELOPE_TOOL_CALL_TOKEN"}
+        "tool_call_token": "PENELOPE_TOOL_CALL_TOKEN", "refill": "PENELOPE_REFILL"}
 _INTEGERS = ("block_size", "swap_buffer", "cpu_cache", "tool_call_token")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # A block is one unit of eviction; a million tokens is beyond any context (and any KV pool) served.
@@ -71,6 +75,7 @@ class PenelopeOptions:
     cpu_cache: int = 0
     copy: str = "auto"
     tool_call_token: int | None = None
+    refill: str = "auto"
 
     def __post_init__(self):
         known = policy_names(aliases=True)
@@ -103,6 +108,8 @@ class PenelopeOptions:
                 self.tool_call_token, numbers.Integral) or not 0 <= self.tool_call_token < 2**31):
             raise UsageError(f"penelope: tool_call_token must be a token id (an integer in [0, 2**31)), "
                              f"got {_shown(self.tool_call_token)}")
+        if self.refill not in REFILL_MODES:
+            raise UsageError(f"penelope: refill must be one of {', '.join(REFILL_MODES)}, got {self.refill!r}")
         if self.copy not in COPY_MODES:
             raise UsageError(f"penelope: copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
 
@@ -215,6 +222,12 @@ def check_server_args(server_args) -> None:
     pool = getattr(server_args, "max_total_tokens", None)
     if pool and block > pool:
         raise UsageError(f"penelope: block_size {block} is larger than the KV pool (--max-total-tokens {pool})")
+    if options.phantoms and options.refill == "riders":
+        # Only a backend named on the command line is known here; the scheduler checks the one
+        # its model runner resolved (create_penelope_cache).
+        backend = prefill_backend(server_args=server_args)
+        if backend is not None:
+            riders_allowed(options.refill, backend)
     _check_host_memory(options, server_args)
 
 
@@ -270,6 +283,7 @@ def create_penelope_cache(ctx):
     server_args = getattr(ctx, "server_args", None)
     try:
         return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
+                                  backend=prefill_backend(getattr(ctx, "tp_worker", None), server_args),
                                   hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
                                   hicache_ratio=getattr(server_args, "hicache_ratio", None),
                                   cost_model=served_cost_model(server_args))

@@ -34,6 +34,7 @@ import time
 import numpy as np
 import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -57,6 +58,7 @@ from penelope.cache.tiers import TwoTierCache
 from penelope.cache.tree import BlockState
 from penelope.errors import CacheFullError, InvariantError, UsageError
 
+from .backends import prefill_backend, riders_allowed
 from .events import KVEvents
 from .hints import book_counters, wait_kind
 from .host_tier import HostKV, host_tokens, kv_bytes_per_token
@@ -77,7 +79,9 @@ class PenelopeRadixCache(BasePrefixCache):
     """Drop-in for SGLang's ``RadixCache(params)`` whose tree and eviction are Penelope's.
 
     `options`: block size, policy (default: from the environment only); `phantoms`: report holes
-    for phantoms to refill (True only where the hooks of ``hooks.py`` are applied).
+    for phantoms to refill (True only where the hooks of ``hooks.py`` are applied); `backend`:
+    the prefill attention backend (default: the one this process's SGLang configuration names),
+    which decides whether phantoms may ride in their request's batch (``backends.py``).
     """
 
     # No SGLang sliding window: the scheduler's budget code reads this attribute.
@@ -85,7 +89,7 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def __init__(self, params: CacheInitParams, options: PenelopeOptions | None = None,
                  phantoms: bool | None = None, hicache_size_gb: float = 0, hicache_ratio: float | None = None,
-                 cost_model=None):
+                 cost_model=None, backend: str | None = None):
         options = options if options is not None else PenelopeOptions()
         if params.is_eagle:
             raise UsageError("penelope: EAGLE speculative decoding (bigram keys) is not supported")
@@ -97,6 +101,10 @@ class PenelopeRadixCache(BasePrefixCache):
         self.cost_model = cost_model
         self.phantoms = options.phantoms if phantoms is None else phantoms
         self.block_size = options.resolved_block_size(self.page_size)
+        # Riders only where the backend stores a batch's K/V before reading its prefix; holes are
+        # refilled hole-first elsewhere.
+        self.riders = self.phantoms and riders_allowed(
+            options.refill, backend or prefill_backend(), page_interleave_shard_size(self.token_to_kv_pool_allocator))
         self.slots = SGLangSlots(self.token_to_kv_pool_allocator)
         self.device = self.slots.device
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
@@ -158,7 +166,13 @@ class PenelopeRadixCache(BasePrefixCache):
             return self._empty
         tokens = key_tokens(key.token_ids, n, namespace)
         match = self.cache.match(tokens)
-        ref = MatchRef(match, key.token_ids, n, namespace, self.phantoms and phantom_eligible(req))
+        with_holes = self.phantoms and phantom_eligible(req)
+        ref = MatchRef(match, key.token_ids, n, namespace, with_holes)
+        if not with_holes and ref.prefix_len < match.compute_from:
+            # The request computes everything after its first hole, the resident spans there
+            # included: its lock must not keep them from being evicted (they would be charged as
+            # new tokens while being held, and a full pool would never fit the request).
+            ref = self._cut(ref, ref.prefix_len, with_holes=False)
         return MatchResult(device_prefix_len=ref.prefix_len, last_device_node=ref, last_host_node=ref,
                            best_match_node=ref)
 
@@ -358,21 +372,42 @@ class PenelopeRadixCache(BasePrefixCache):
         """Keep the given order: match handles are not tree nodes."""
         return list(range(len(node_handles)))
 
-    def plan_admission(self, req, chunk_budget: int | None, free_rows: int) -> RefillPlan | None:
+    def plan_admission(self, req, chunk_budget: int | None, free_rows: int,
+                       align: int | None = None) -> RefillPlan | None:
         """Decide how a request whose match reported holes is admitted (``penelope.cache.refill``):
-        riders, or hole-first chunks from its first hole, or (without chunked prefill and rows)
-        some holes dropped. Sets the request's prefix accordingly; None without holes."""
+        riders (where the attention backend allows them), or hole-first chunks from its first
+        hole, or (without chunked prefill and rows) some holes dropped. Sets the request's prefix
+        accordingly; a request that drops holes then holds a match of what it reads only. `align`:
+        the scheduler's chunk alignment (SGLang's ``truncation_align_size``), if any. None without
+        holes."""
         ref = req.last_node
         if not isinstance(ref, MatchRef) or not ref.holes or req.kv.req_pool_idx is not None \
                 or req.prefix_len != ref.prefix_len:
             return None
         extend = len(req.full_untruncated_fill_ids) - ref.prefix_len
-        plan = plan_refill(ref.holes, ref.prefix_len, extend, chunk_budget, max(free_rows, 1), self.page_size)
+        plan = plan_refill(ref.holes, ref.prefix_len, extend, chunk_budget, max(free_rows, 1), self.page_size,
+                           riders=self.riders, own_chunk=align)
         setattr(req, REFILL, plan)
         if plan.compute_from != ref.prefix_len:
             req.prefix_len = plan.compute_from
             req.kv.cache_protected_len = plan.compute_from
+        if not plan.hole_first and plan.compute_from < ref.prefix_len:
+            # It recomputes the resident spans after its first dropped hole: its lock covers only
+            # what it reads, so they stay evictable (see match_prefix).
+            cut = self._cut(ref, plan.compute_from, with_holes=True)
+            if cut.prefix_len != plan.compute_from:
+                raise InvariantError(f"penelope: {req.rid} reads {plan.compute_from} tokens but its cut match "
+                                     f"reports {cut.prefix_len}")
+            req.last_node = req.last_host_node = req.best_match_node = cut
         return plan
+
+    def jumped_tokens(self, req) -> int:
+        """Resident tokens a hole-first request about to be admitted jumps over: SGLang charges
+        them as new tokens (its whole prompt from the first hole), but they need no slots."""
+        plan = getattr(req, REFILL, None)
+        if plan is None or not plan.hole_first or req.kv.req_pool_idx is not None:
+            return 0
+        return plan.jumped_tokens
 
     def load_for(self, req) -> bool:
         """With a CPU tier: bring the CPU spans of the request's match to the GPU before its
@@ -505,6 +540,14 @@ class PenelopeRadixCache(BasePrefixCache):
         result = self.cache.insert(tokens, slots)
         self.kv_events.stored(self.cache, tokens, before)
         return result
+
+    def _cut(self, ref: MatchRef, n: int, with_holes: bool) -> MatchRef:
+        """`ref` matched again on its first `n` tokens only (whole blocks): a lock on the result
+        protects the path up to `n` and nothing after it."""
+        if n == 0:
+            return self.root_node
+        return MatchRef(self.cache.match(key_tokens(ref.source, n, ref.namespace)), ref.source, n, ref.namespace,
+                        with_holes)
 
     def _jump(self, req, position: int) -> None:
         """Advance a hole-first request over resident spans [prefix_len, position): its row takes

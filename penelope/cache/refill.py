@@ -48,29 +48,41 @@ class RefillPlan:
         """Whether the request computes its holes itself, chunk by chunk."""
         return bool(self.spans)
 
+    @property
+    def jumped_tokens(self) -> int:
+        """Resident tokens a hole-first request jumps over instead of computing: they are cached
+        already, so they need no slots (a scheduler that charges the request its whole prompt
+        from `compute_from` must take them off)."""
+        return sum(end - start for start, end, resident in self.spans if resident)
+
 
 def plan_refill(holes, compute_from: int, extend_tokens: int, chunk_budget: int | None,
-                free_rows: int, page_size: int) -> RefillPlan:
+                free_rows: int, page_size: int, riders: bool = True, own_chunk: int | None = None) -> RefillPlan:
     """Decide how a request whose match has `holes` ((start, end) pairs, in order, all before
     `compute_from`) is admitted.
 
     `extend_tokens`: tokens the request computes from `compute_from` (>= 1). `chunk_budget`: tokens
     the step can still compute (None: chunked prefill is off, one step runs any length).
-    `free_rows`: request rows left for this request and its phantoms (>= 1).
+    `free_rows`: request rows left for this request and its phantoms (>= 1). `riders`: whether
+    phantoms may ride in the request's batch at all (False where the attention backend reads a
+    batch's cached prefix before it stores the batch's K/V: a rider's hole would be read before
+    it is written). `own_chunk`: the fewest of its own tokens the request may compute beside its
+    riders (default: one page; a scheduler that aligns chunk ends needs one alignment unit, or
+    the whole extend when that is shorter).
     """
     holes = tuple((int(a), int(b)) for a, b in holes)
     _check(holes, compute_from, extend_tokens, free_rows, page_size)
     if not holes:
         return RefillPlan((), compute_from)
     hole_tokens = sum(b - a for a, b in holes)
-    rider_rows = free_rows - 1
+    rider_rows = free_rows - 1 if riders else 0
     if chunk_budget is None:
         # One step computes everything: drop the holes that get no row; the request computes from
         # the first dropped one.
         kept = holes[:rider_rows]
         start = compute_from if len(kept) == len(holes) else holes[len(kept)][0]
         return RefillPlan(kept, start)
-    own = min(-(-extend_tokens // page_size) * page_size, page_size)
+    own = min(-(-extend_tokens // page_size) * page_size, page_size if own_chunk is None else own_chunk)
     if len(holes) <= rider_rows and hole_tokens + own <= chunk_budget:
         return RefillPlan(holes, compute_from)
     spans = []
