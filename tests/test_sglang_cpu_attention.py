@@ -10,7 +10,6 @@ import torch
 from sglang.srt.layers.attention import torch_native_backend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_env import Serving, blocks, sglang_config
@@ -82,11 +81,7 @@ def phantom_batch():
     front of its private history; its next request (odd length) is batched with the phantom
     refilling that hole and with two more requests (one odd, one fresh), page 1."""
     serving = Serving(size=64 * 40, page_size=1, max_context=1024)
-    system = blocks(1000, 2)
-    a = system + blocks(1, 6)
-    serving.prefill([a + [7]])
-    serving.prefill([system + blocks(5000, 6) + [8]])
-    serving.cache.evict(EvictParams(num_tokens=128))
+    system, a = serving.lose_front()
     reqs = serving.admit([a + blocks(9000, 1)[:37], system + [3, 4, 5], list(range(20_000, 20_065))])
     return serving, serving.build_batch(reqs)
 

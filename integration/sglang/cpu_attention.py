@@ -13,8 +13,9 @@ Like the parent it stores the batch's K/V before any request reads, and reads ev
 through ``req_to_token``, so a request reads K/V that a phantom or another request of the same
 batch wrote in the same layer, and a phantom (a prefill-only request refilling a hole) is served
 exactly as the parent serves it. Decode, and every extend the subclass does not cover (encoder or
-cross attention, sliding windows, logit caps, K/V heads of another size than the values', a
-sliding-window pool, speculative and dLLM modes, extra arguments) go to the parent unchanged.
+cross attention, sliding windows, logit caps, value heads of another width than the query and key
+heads, a sliding-window pool, speculative and dLLM modes, extra arguments) go to the parent
+unchanged.
 
 Selected with ``--attention-backend torch_native_prefix`` (``register`` adds the name to SGLang's
 choices); the radix cache is any, SGLang's own or Penelope's.
