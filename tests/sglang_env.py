@@ -18,6 +18,7 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -166,6 +167,17 @@ class Serving:
             self.check_row(req)
         self.finish(batch, keep_running=keep_running)
         return reqs
+
+    def lose_front(self) -> tuple[list[int], list[int]]:
+        """Session A (2 blocks shared with session B, then 6 private) loses the first 2 blocks of
+        its private history, [128, 256): both are cached, then 128 tokens are evicted. Returns
+        (the shared blocks' tokens, A's history)."""
+        system = blocks(1000, 2)
+        history = system + blocks(1, 6)
+        self.prefill([history + [7]])
+        self.prefill([system + blocks(5000, 6) + [8]])
+        self.cache.evict(EvictParams(num_tokens=128))
+        return system, history
 
     def accounting(self) -> tuple[int, int]:
         """(SGLang's conservation sum, total): available + evictable + protected + what requests

@@ -7,7 +7,6 @@ import pytest
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_env import Serving, blocks, sglang_config
 
@@ -43,11 +42,7 @@ def phantom_batch():
     """Session A (2 shared + 6 private blocks, page 1) lost 2 blocks at the front of its private
     history; its next request is batched with its phantom and with an unrelated request."""
     serving = Serving(size=64 * 40, page_size=1, max_context=1024)
-    system = blocks(1000, 2)
-    a = system + blocks(1, 6)
-    serving.prefill([a + [7]])
-    serving.prefill([system + blocks(5000, 6) + [8]])
-    serving.cache.evict(EvictParams(num_tokens=128))
+    system, a = serving.lose_front()
     reqs = serving.admit([a + blocks(9000, 1)[:40], system + [3, 4, 5]])
     batch = serving.build_batch(reqs)
     return serving, batch

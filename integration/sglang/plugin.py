@@ -168,7 +168,8 @@ def options_from(config: Mapping | None = None, environ: Mapping[str, str] | Non
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group: registers the ``penelope`` radix-cache
-    backend, the scheduler hooks, the start-up check of Penelope's options and, unless
+    backend, the scheduler hooks, the start-up check of Penelope's options, the prefix-aware CPU
+    attention backend ``torch_native_prefix`` (``cpu_attention``) and, unless
     ``PENELOPE_ATTENTION=sglang``, the Triton attention backend subclass that runs phantom batches
     through Penelope's ragged kernel. Never raises: SGLang would log the error and start without
     the plugin; a bad option stops the server at start-up instead (``check_server_args``).
@@ -176,13 +177,14 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import hooks
+    from . import cpu_attention, hooks
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
     hooks.register_hooks()
     if not any(hook is _check_server_args for _, hook, _ in HookRegistry._hooks.get(_SERVER_ARGS_CHECK, ())):
         HookRegistry.register(_SERVER_ARGS_CHECK, _check_server_args, HookType.AROUND)
+    cpu_attention.register()
     try:
         attention = options_from(None).attention
     except UsageError:
