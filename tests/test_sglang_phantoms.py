@@ -274,3 +274,8 @@ def test_a_request_gets_no_row_its_predecessors_riders_took(budget_hooks):
     serving.check_row(holed)
     serving.finish(batch)
     assert serving.accounting()[0] == serving.total
+
+
+def test_the_prefix_aware_cpu_backend_takes_riders():
+    """It stores the batch's K/V before it reads any prefix, as torch_native does."""
+    assert Serving(size=64 * 40, page_size=64, backend="torch_native_prefix", refill="riders").cache.riders

@@ -3,7 +3,7 @@
 A rider refills a hole in the SAME forward as its request, so the request's queries read the
 hole's K/V in the layer that wrote it. That holds only on backends whose every layer stores the
 batch's K/V into the pool before it attends: SGLang 0.5.23's FA3, trtllm_mha, Triton and
-torch_native do. FlashInfer's ragged prefill reads the cached prefix from the pool first (its
+torch_native do, and so does the plugin's prefix-aware CPU backend (``cpu_attention.py``). FlashInfer's ragged prefill reads the cached prefix from the pool first (its
 paged pass) and stores the batch's K/V after, so a request would read its riders' holes before
 they are written; page-interleave KV sharding gathers the prefix a layer ahead, with the same
 hazard. On those, and on any backend not known to store first, holes are refilled hole-first
@@ -19,7 +19,7 @@ from penelope.errors import UsageError
 logger = logging.getLogger(__name__)
 
 # Prefill backends that store a batch's K/V before attending (read in SGLang 0.5.23's sources).
-STORE_BEFORE_READ = frozenset({"fa3", "trtllm_mha", "triton", "torch_native"})
+STORE_BEFORE_READ = frozenset({"fa3", "trtllm_mha", "triton", "torch_native", "torch_native_prefix"})
 REFILL_MODES = ("auto", "riders", "hole-first")
 
 
