@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,34 @@ def test_a_front_hole_before_a_long_resident_tail_is_served(model, chunk, option
         assert refilled > 0
     check_cached_tokens(run)
     check_cached_tokens(reference)
+
+
+# The deployment that stalled: a 32K history whose front lost ~9.8K tokens (more than two chunks of
+# 4,096) while a 36,864-token pool stays ~36.7K full, SGLang's default max_prefill_tokens (16,384).
+LONG_HOLE = ScriptTraffic(steps=(("a1", ("system", 30208)), ("b", ("system", 14400)), ("a2", ("a1", 1024))),
+                          system_tokens=2048)
+
+
+@pytest.mark.slow
+def test_a_long_history_with_a_hole_of_several_chunks(tmp_path_factory):
+    """At the scale the scheduler stalled at, with the prefix-aware CPU attention (cached tokens
+    are free, as on a GPU backend): the next turn is served hole-first, identical to a pool that
+    never evicts, and reports as cached only what it reused."""
+    model = str(tiny_model(tmp_path_factory.mktemp("tiny-qwen3-64k"), max_positions=65536))
+    setup = EngineSetup(pool_tokens=36864, chunk=4096, extra={"attention_backend": "torch_native_prefix"})
+    reference = run_engine(model, LONG_HOLE, replace(setup, pool_tokens=LONG_HOLE.peak_tokens() // 64 * 64 + 64),
+                           engine_env())
+    run = run_engine(model, LONG_HOLE, setup, engine_env(), timeout=600)
+    result = compare(run, reference, ATOL)
+    assert result["identical_tokens"] and result["unfinished"] == 0, result
+    check_cached_tokens(run)
+    # a2 computes its front hole (chunk by chunk, jumping the ~20K resident after it), then a1's
+    # reply and its 1,024 new tokens; b's arrival took the hole from a1's private front.
+    [a2] = [r for r in run["requests"] if r["rid"] == "a2"]
+    hole = run["counters"]["chunk_refill_tokens"]
+    assert 9000 < hole < 11000 and a2["computed_tokens"] == hole + 8 + 1024
+    print(f"a2: {a2['prompt_tokens']} tokens, {a2['cached_tokens']} cached, hole {hole}, "
+          f"served in {run['serve_s']:.0f} s")
 
 
 def test_two_tiers(model, reference, riders):

@@ -3,12 +3,13 @@
 A rider refills a hole in the SAME forward as its request, so the request's queries read the
 hole's K/V in the layer that wrote it. That holds only on backends whose every layer stores the
 batch's K/V into the pool before it attends: SGLang 0.5.23's FA3, trtllm_mha, Triton and
-torch_native do, and so does the plugin's prefix-aware CPU backend (``cpu_attention.py``). FlashInfer's ragged prefill reads the cached prefix from the pool first (its
-paged pass) and stores the batch's K/V after, so a request would read its riders' holes before
-they are written; page-interleave KV sharding gathers the prefix a layer ahead, with the same
-hazard. On those, and on any backend not known to store first, holes are refilled hole-first
-(the request computes them as its own chunks, each written by an earlier forward than the one
-that reads it), which is safe on every backend.
+torch_native do, and so does the plugin's prefix-aware CPU backend (``cpu_attention.py``).
+FlashInfer's ragged prefill reads the cached prefix from the pool first (its paged pass) and
+stores the batch's K/V after, so a request would read its riders' holes before they are written;
+page-interleave KV sharding gathers the prefix a layer ahead, with the same hazard. On those, and
+on any backend not known to store first, holes are refilled hole-first (the request computes them
+as its own chunks, each written by an earlier forward than the one that reads it), which is safe
+on every backend.
 """
 from __future__ import annotations
 

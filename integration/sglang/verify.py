@@ -200,13 +200,14 @@ def _c_lin(model: str) -> float | None:
         return None
 
 
-def tiny_model(folder: str | Path, seed: int = 0) -> Path:
+def tiny_model(folder: str | Path, seed: int = 0, max_positions: int = 16384) -> Path:
     """A tiny Qwen3 (hidden 64, 2 layers, 4 query and 2 KV heads of 16, vocab 1000) with real
-    random weights (std 0.5, as transformers' initializer_range), saved as an HF checkpoint."""
+    random weights (std 0.5, as transformers' initializer_range), saved as an HF checkpoint;
+    `max_positions` is its context length."""
     from penelope.engine.decoder_config import EngineModelConfig
     from penelope.engine.weights import random_weights, save_checkpoint
 
     config = EngineModelConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
-                               head_dim=16, intermediate_size=128, max_position_embeddings=16384,
+                               head_dim=16, intermediate_size=128, max_position_embeddings=max_positions,
                                name="penelope-tiny-qwen3")
     return save_checkpoint(folder, config, random_weights(config, seed=seed, init_std=0.5))
