@@ -39,6 +39,8 @@ from penelope.kernels.kv_swap import kernel as kv_kernel  # noqa: E402
 SHAPES = {
     # name: (buffers = layers x K/V, kv heads, head dim, dtype)
     "qwen3-8b": (72, 8, 128, torch.bfloat16),
+    # The GPU script's reduced run on the CPU (microbench/gpu_stages/swap.py).
+    "tiny": (4, 2, 64, torch.bfloat16),
 }
 CHUNK_TOKENS = 1024
 BLOCK_TOKENS = 64
@@ -86,7 +88,7 @@ def block_slots(pool_tokens: int, tokens: int, seed: int) -> torch.Tensor:
     return (blocks[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(-1)
 
 
-def _row_bytes(shape: str) -> int:
+def row_bytes(shape: str) -> int:
     _, heads, dim, dtype = SHAPES[shape]
     return heads * dim * torch.empty((), dtype=dtype).element_size()
 
@@ -107,7 +109,7 @@ def test_cpu_copy(benchmark, provider):
     copy = PROVIDERS[provider]
     benchmark.pedantic(copy, args=(src, dst, src_slots, dst_slots), rounds=5, iterations=1, warmup_rounds=1)
 
-    payload = CHUNK_TOKENS * len(src) * _row_bytes(shape)
+    payload = CHUNK_TOKENS * len(src) * row_bytes(shape)
     # Bytes read + written: the kernel moves each row once; the torch path also writes and reads
     # back a gathered temporary.
     traffic = 2 * payload if provider == "triton" else 4 * payload
@@ -117,7 +119,7 @@ def test_cpu_copy(benchmark, provider):
         dtype=str(SHAPES[shape][3]),
         tokens=CHUNK_TOKENS,
         buffers=len(src),
-        row_bytes=_row_bytes(shape),
+        row_bytes=row_bytes(shape),
         payload_bytes=payload,
         traffic_bytes=traffic,
         traffic_vs_minimum=traffic / (2 * payload),
@@ -150,7 +152,7 @@ def gpu_pools():
     shape = "qwen3-8b"
     gpu = make_pool(shape, GPU_POOL_TOKENS, "cuda")
     host = make_pool(shape, GPU_POOL_TOKENS, "cpu", pinned=True)
-    row = _row_bytes(shape)
+    row = row_bytes(shape)
     peaks = {
         "d2h": _memcpy_peak_gbps(gpu, host, CHUNK_TOKENS, row),
         "h2d": _memcpy_peak_gbps(host, gpu, CHUNK_TOKENS, row),
@@ -181,7 +183,7 @@ def test_gpu_copy(benchmark, gpu_pools, direction, provider):
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
-    payload = CHUNK_TOKENS * len(src) * _row_bytes(shape)
+    payload = CHUNK_TOKENS * len(src) * row_bytes(shape)
     gbps = payload / _median_seconds(benchmark) / 1e9
     benchmark.extra_info.update(_environment(device))
     benchmark.extra_info.update(
@@ -190,7 +192,7 @@ def test_gpu_copy(benchmark, gpu_pools, direction, provider):
         direction=direction,
         tokens=CHUNK_TOKENS,
         buffers=len(src),
-        row_bytes=_row_bytes(shape),
+        row_bytes=row_bytes(shape),
         payload_bytes=payload,
         gbps=gbps,
         memcpy_peak_gbps=peaks[direction],
@@ -219,7 +221,7 @@ def test_gpu_exchange(benchmark, gpu_pools, buffer_chunks, min_run):
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
-    payload = 2 * tokens * len(gpu) * _row_bytes(shape)
+    payload = 2 * tokens * len(gpu) * row_bytes(shape)
     gbps = payload / _median_seconds(benchmark) / 1e9
     benchmark.extra_info.update(_environment(device))
     benchmark.extra_info.update(
@@ -262,7 +264,7 @@ def test_gpu_exchange_overlaps_compute(benchmark, gpu_pools):
         torch.cuda.synchronize()
 
     benchmark.pedantic(both, rounds=3, iterations=1, warmup_rounds=1)
-    payload = 2 * tokens * len(gpu) * _row_bytes(shape)
+    payload = 2 * tokens * len(gpu) * row_bytes(shape)
     benchmark.extra_info.update(_environment(device))
     benchmark.extra_info.update(shape=shape, tokens_each_way=tokens, payload_bytes_both_ways=payload,
                                 gbps_both_ways_alone=payload / figures["copy_s"] / 1e9, **figures)

@@ -139,6 +139,7 @@ def sdpa_runner(batch, provider: str, expand_kv: bool = False):
         queries = q[q_start : q_start + n].transpose(0, 1).unsqueeze(0).contiguous()
         if provider == "sdpa_flash":
             mask = causal_lower_right(n, pos + n)
+            _require_flash(queries, k, v, enable_gqa=not expand_kv)
         else:
             positions = torch.arange(pos + n, device=q.device)
             mask = positions[None, :] <= positions[pos:, None]
@@ -150,6 +151,18 @@ def sdpa_runner(batch, provider: str, expand_kv: bool = False):
                     for queries, k, v, mask in calls]
 
     return run
+
+
+def _require_flash(q, k, v, enable_gqa: bool) -> None:
+    """``causal_lower_right`` falls back to other kernels where flash cannot run: refuse instead,
+    so that a figure named flash is flash's. (Only CUDA has the check; the CPU runs its own.)"""
+    if q.device.type != "cuda":
+        return
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    if not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, enable_gqa)):
+        raise RuntimeError(f"flash attention cannot run q {tuple(q.shape)}, k {tuple(k.shape)} {q.dtype} "
+                           f"(enable_gqa={enable_gqa})")
 
 
 def sdpa_output(outputs) -> torch.Tensor:
