@@ -68,9 +68,9 @@ EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_BAD_ARGS, EXIT_MISSING = 0, 1, 3, 4, 5
 STAGE_NO_GPU = 3  # gpu_stages.context.NO_GPU
 
 
-def missing(packages=REQUIRED) -> list[str]:
-    """The packages of ``packages`` that this interpreter cannot import (found without importing)."""
-    return [name for name in packages if importlib.util.find_spec(name) is None]
+def missing(packages: tuple[str, ...] | None = None) -> list[str]:
+    """The packages (default ``REQUIRED``) this interpreter cannot import (looked up, not imported)."""
+    return [name for name in packages or REQUIRED if importlib.util.find_spec(name) is None]
 
 
 def plan(only: list[str] | None = None) -> list[Stage]:

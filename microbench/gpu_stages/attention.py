@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,12 @@ class AttentionSetup:
 
 FULL = AttentionSetup(QWEN3_8B, check_contexts=(4096, 32 * 1024), contexts=(32 * 1024, 128 * 1024),
                       references=("sdpa_flash", "sdpa_cudnn", "sglang"))
-# The CPU: the interpreter runs the kernel, SDPA's math backend stands in for the GPU's backends
-# (which are tried too, and recorded as unavailable).
+# The CPU: the interpreter runs the kernels, SDPA's math backend stands in for the GPU's backends
+# (which are tried too, and recorded as unavailable where they cannot run). fp16: the interpreter
+# computes SGLang's bf16 dots wrongly (see tests/test_kernels_ragged_attention.py).
 REDUCED = AttentionSetup(AttentionShape(4, 2, 32, evict_start=64, append=16), check_contexts=(256,),
-                         contexts=(256, 512), references=("sdpa_math", "sdpa_flash", "sdpa_cudnn", "sglang"))
+                         contexts=(256, 320), references=("sdpa_math", "sdpa_flash", "sdpa_cudnn", "sglang"),
+                         dtype=torch.float16)
 
 
 def max_error(got: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
@@ -162,9 +165,17 @@ def time_batch(ctx: StageContext, setup: AttentionSetup, context: int, layout: s
 def run(ctx: StageContext) -> int:
     setup = FULL if ctx.full else REDUCED
     ok = check_against_reference(ctx, setup)
+    last = 0.0
     for context in setup.contexts:
         for layout in LAYOUTS:
+            # A larger batch than the last takes longer: skip it rather than be killed in it.
+            if 2 * last > ctx.left():
+                ctx.log.write("skipped", context=context, layout=layout,
+                              reason=f"the last batch took {last:.0f} s, {ctx.left():.0f} s left")
+                continue
+            began = time.monotonic()
             ok &= time_batch(ctx, setup, context, layout)
+            last = time.monotonic() - began
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
     return PASSED if ok else CHECK_FAILED

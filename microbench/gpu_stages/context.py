@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .points import PointLog
 
 # Exit status of a stage: every check passed / a check failed / no CUDA GPU where one is needed.
@@ -26,7 +24,10 @@ class StageContext:
     deadline: float
 
     @property
-    def device(self) -> torch.device:
+    def device(self):
+        # Imported here: a stage that needs no torch starts without it.
+        import torch
+
         return torch.device("cuda" if self.full else "cpu")
 
     def left(self) -> float:
