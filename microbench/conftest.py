@@ -18,8 +18,8 @@ and after it has run:
 
 Files named ``bench_*.py`` are collected, so ``pytest microbench`` runs them all. Options:
 ``--bench-out DIR`` (where benchmarks write plots and JSON besides pytest-benchmark's
-own; default ``results/<cpu|gpu>``) and ``--gpu-only`` (run only the ``test_gpu*`` benchmarks:
-the GPU script uses it so CPU figures are not re-measured on the GPU machine).
+own; default ``results/<cpu|gpu>``) and ``--gpu-only`` (run only the ``test_gpu*`` benchmarks,
+so CPU figures are not re-measured on a GPU machine).
 """
 
 from __future__ import annotations

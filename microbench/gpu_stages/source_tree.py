@@ -2,9 +2,11 @@
 
 ``pyproject.toml`` maps packages to folders (``penelope.kernels`` lives in ``kernels/``,
 ``penelope.integration`` in ``integration/``), so the repository root on ``sys.path`` is not enough.
-An editable install would need setuptools >= 77 and ``wheel`` in the interpreter, and the GPU
-machine reaches no index to fetch them; this finder reads the same mapping and imports each mapped
-package from its folder, changing nothing outside the process.
+An editable install (``pip install --no-deps --no-build-isolation --no-index -e .``) works offline
+only where the interpreter already has setuptools >= 77 (the build backend; from setuptools 70.1
+on it needs no ``wheel``), and what the GPU machine has is not known until it runs; this finder
+reads the same mapping and imports each mapped package from its folder, needs nothing but the
+standard library and changes nothing outside the process.
 """
 
 from __future__ import annotations
