@@ -34,6 +34,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from gpu_stages.source_tree import use_source_tree  # noqa: E402
+
+# The points helper is Penelope's JSON code: imported from this working tree (standard library only).
+use_source_tree()
+
 from gpu_stages.points import POINTS_FILE, PointLog  # noqa: E402
 
 

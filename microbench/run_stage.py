@@ -19,8 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_stages.points import POINTS_FILE, PointLog  # noqa: E402
 from gpu_stages.source_tree import use_source_tree  # noqa: E402
+
+use_source_tree()
+
+from gpu_stages.points import POINTS_FILE, PointLog  # noqa: E402
 
 # Seconds a stage keeps in hand before its limit: the runner kills it at the limit.
 MARGIN = 8.0
@@ -35,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", help="the stage's module (default gpu_stages.NAME)")
     args = parser.parse_args(argv)
     began = time.monotonic()
-    use_source_tree()
     log = PointLog(args.out / POINTS_FILE, args.name)
     try:
         from gpu_stages.context import StageContext

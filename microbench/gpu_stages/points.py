@@ -8,10 +8,11 @@ point it was measuring. ``read_points`` skips a last line cut short by a kill.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
+
+from penelope.jsonfile import json_ready
 
 POINTS_FILE = "points.jsonl"
 
@@ -23,17 +24,6 @@ def _plain(value: Any):
     if hasattr(value, "tolist") and callable(value.tolist):
         return value.tolist()
     return str(value)
-
-
-def _finite(value: Any):
-    """NaN and infinities are not JSON: they are written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
 
 
 class PointLog:
@@ -48,7 +38,7 @@ class PointLog:
     def write(self, kind: str, **fields) -> dict:
         """Append one point; returns it as written."""
         point = {"stage": self.stage, "kind": kind, "at_s": round(time.monotonic() - self.started, 3), **fields}
-        line = json.dumps(_finite(json.loads(json.dumps(point, default=_plain))), allow_nan=False)
+        line = json.dumps(json_ready(json.loads(json.dumps(point, default=_plain))), allow_nan=False)
         with self.path.open("a") as handle:
             handle.write(line + "\n")
         return point
