@@ -64,6 +64,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from machine import gpu_kind
 from timing import elapsed
 
 from penelope.costmodel.hf_configs import BUILTIN_CONFIGS
@@ -177,6 +178,14 @@ def device_random_weights(config: EngineModelConfig, dtype: torch.dtype, device,
     return from_state_dict(config, state, dtype=dtype, device=device)
 
 
+def benchmark_weights(config: EngineModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A benchmark model's random weights: drawn on a GPU (``device_random_weights``), else the
+    tests' ``random_weights``, identical on every machine."""
+    if device.type == "cuda":
+        return device_random_weights(config, dtype, device, seed)
+    return random_weights(config, seed=seed, dtype=dtype, device=device)
+
+
 def next_requests(tokens: torch.Tensor, context: int, evicted: int, evict_start: int, append: int):
     """The next request after each eviction, as engine batches over a pool whose slot is the
     position (``req_to_token`` row 0 = ``0 .. context + append - 1``).
@@ -208,10 +217,7 @@ class CurveRun:
         self.started = time.perf_counter()
         self.cost = CostModel(setup.shape())
         config = setup.config
-        if self.device.type == "cuda":
-            weights = device_random_weights(config, setup.dtype, self.device, seed)
-        else:
-            weights = random_weights(config, seed=seed, dtype=setup.dtype, device=self.device)
+        weights = benchmark_weights(config, setup.dtype, self.device, seed)
         attention = TILED_SDPA if setup.attention == "tiled-sdpa" else setup.attention
         self.model = Qwen3Decoder(config, weights, attention=attention)
         capacity = setup.contexts[-1] + setup.append
@@ -320,6 +326,7 @@ class CurveRun:
             "front_attention_pairs": int(front_pairs),
             "tail_attention_pairs": int(tail_pairs),
             "prefill_seconds": prefill_seconds,
+            "history_attention_pairs": int(self.cost.attention_pairs(0, context)) if prefill_seconds else None,
             "decode_seconds": _pick(decode_times, setup.timing),
             "next_token_logit_diff": logit_diff if setup.fill == "prefill" else None,
         }
@@ -357,17 +364,8 @@ class CurveRun:
 
     def calibration(self) -> dict:
         """Time-model constants fitted to this run (keys of ``penelope.sim.timemodel``)."""
-        points = []
-        for row in self.rows:
-            tokens = row["query_tokens"]
-            points.append((self.cost.c_lin * tokens, row["front_attention_pairs"], row["front_seconds"]))
-            points.append((self.cost.c_lin * tokens, row["tail_attention_pairs"], row["tail_seconds"]))
-            if row["prefill_seconds"] is not None:
-                context = row["context"]
-                points.append((self.cost.c_lin * context, self.cost.attention_pairs(0, context),
-                               row["prefill_seconds"]))
-        return fit_calibration(points, model=self.setup.config.name, gpu=_gpu_kind(self.device),
-                               source=self._source())
+        return fit_calibration(calibration_points(self.rows, self.cost.c_lin), model=self.setup.config.name,
+                               gpu=_gpu_kind(self.device), source=self._source())
 
     def _source(self) -> str:
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -387,11 +385,21 @@ class CurveRun:
         return summary
 
 
+def calibration_points(rows: list[dict], c_lin: float) -> list[tuple[float, float, float]]:
+    """``(linear_units, attention_pairs, seconds)`` of every timed batch of ``rows`` (both requests
+    of each context, and the history's prefill when it ran): ``fit_calibration``'s points."""
+    points = []
+    for row in rows:
+        tokens = row["query_tokens"]
+        points.append((c_lin * tokens, row["front_attention_pairs"], row["front_seconds"]))
+        points.append((c_lin * tokens, row["tail_attention_pairs"], row["tail_seconds"]))
+        if row["prefill_seconds"] is not None:
+            points.append((c_lin * row["context"], row["history_attention_pairs"], row["prefill_seconds"]))
+    return points
+
+
 def _gpu_kind(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((kind for kind in ("h100", "h200") if kind in name), None)
+    return gpu_kind(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def curve_table(summary: dict) -> str:
@@ -468,18 +476,26 @@ def _record(benchmark, run: CurveRun, row: dict) -> None:
     )
 
 
-def _measure_or_skip(run: CurveRun, benchmark, gpu_context: int) -> dict:
-    """Measure one context within the setup's time budget: with all rounds, else (the largest
-    contexts matter most) with one round and no warm-up, else skip."""
+def rounds_within_budget(run: CurveRun, gpu_context: int) -> tuple[int, int] | str:
+    """``(rounds, warmup)`` that measure one context within what is left of the setup's time budget:
+    all rounds, else (the largest contexts matter most) one round and no warm-up; else why not."""
     context = gpu_context // run.setup.scale
     left = run.setup.budget_s - (time.perf_counter() - run.started)
     for rounds, warmup in ((run.setup.rounds, 1), (1, 0)):
         expected = run.estimate_seconds(context, rounds, warmup)
         if expected <= left:
-            row = run.measure(gpu_context, benchmark, rounds=rounds, warmup=warmup)
-            _record(benchmark, run, row)
-            return row
-    pytest.skip(f"time budget: about {expected:.0f} s needed, {left:.0f} s left of {run.setup.budget_s:.0f} s")
+            return rounds, warmup
+    return f"time budget: about {expected:.0f} s needed, {left:.0f} s left of {run.setup.budget_s:.0f} s"
+
+
+def _measure_or_skip(run: CurveRun, benchmark, gpu_context: int) -> dict:
+    """Measure one context within the setup's time budget, else skip."""
+    plan = rounds_within_budget(run, gpu_context)
+    if isinstance(plan, str):
+        pytest.skip(plan)
+    row = run.measure(gpu_context, benchmark, rounds=plan[0], warmup=plan[1])
+    _record(benchmark, run, row)
+    return row
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from bench_cost_curve import _gpu_kind, _qwen3_8b_engine_config, device_random_weights
+from bench_cost_curve import _gpu_kind, _qwen3_8b_engine_config, benchmark_weights
 from timing import time_calls
 
 from penelope.costmodel.shapes import ModelShape, shape_from_config
@@ -191,12 +191,7 @@ class DecodeRun:
                  rounds: int = 10, graph: bool = True):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.rounds, self.graph = rounds, graph
-        if self.device.type == "cuda":
-            weights = device_random_weights(config, dtype, self.device, seed)
-        else:
-            from penelope.engine.weights import random_weights
-
-            weights = random_weights(config, seed=seed, dtype=dtype, device=self.device)
+        weights = benchmark_weights(config, dtype, self.device, seed)
         self.model = Qwen3Decoder(config, weights, attention="naive")
         self.pool = KVPool(config, capacity, dtype=dtype, device=self.device)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -269,6 +264,15 @@ class DecodeRun:
         return summary
 
 
+def gpu_pool_capacity(config: EngineModelConfig, free_bytes: int, elem_bytes: int = 2) -> int:
+    """KV slots for the grid's largest step (batch 8 at 128K), or as many as fit beside the weights
+    in ``POOL_SHARE`` of ``free_bytes``."""
+    shape = shape_from_config(config.to_hf(), name=config.name)
+    need = max(BATCHES) * (max(CONTEXTS) + 1)
+    room = POOL_SHARE * (free_bytes - shape.active_params() * elem_bytes)
+    return max(0, min(need, int(room / shape.kv_bytes_per_token(elem_bytes))))
+
+
 def _peak_bandwidth(device: torch.device) -> float | None:
     """The spec-sheet HBM bandwidth of a known GPU (``penelope.sim.timemodel.GPUS``), else None."""
     from penelope.sim.timemodel import GPUS
@@ -299,12 +303,7 @@ def format_rows(summary: dict) -> str:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_decode_calibration(benchmark, bench_out):
     config = _qwen3_8b_engine_config()
-    shape = shape_from_config(config.to_hf(), name=config.name)
-    weights_bytes = shape.active_params() * 2
-    free, _ = torch.cuda.mem_get_info()
-    need = max(BATCHES) * (max(CONTEXTS) + 1)
-    capacity = min(need, int(POOL_SHARE * (free - weights_bytes) / shape.kv_bytes_per_token(2)))
-    run = DecodeRun(config, torch.bfloat16, "cuda", capacity)
+    run = DecodeRun(config, torch.bfloat16, "cuda", gpu_pool_capacity(config, torch.cuda.mem_get_info()[0]))
     points = [(b, n) for b in BATCHES for n in CONTEXTS]
     # pytest-benchmark times the smallest point; every point is timed by CUDA events.
     benchmark.pedantic(lambda: run.measure(*points[0]), rounds=1, iterations=1)

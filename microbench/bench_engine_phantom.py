@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from bench_cost_curve import benchmark_weights
 from timing import elapsed
 
 from penelope.engine.decoder import EngineBatch, Qwen3Decoder
 from penelope.engine.decoder_config import EngineModelConfig
 from penelope.engine.kvpool import KVPool
-from penelope.engine.weights import random_weights
 
 EVICT_FRAC = 0.3
 # Holes are whole cache blocks.
@@ -79,7 +79,7 @@ class PhantomBatching:
         cfg = setup.config
         self.device = device
         generator = torch.Generator().manual_seed(0)
-        weights = random_weights(cfg, seed=0, dtype=setup.dtype, device=device)
+        weights = benchmark_weights(cfg, setup.dtype, device)
         self.model = Qwen3Decoder(cfg, weights, attention=setup.attention)
         total = context + setup.append
         self.pool = KVPool(cfg, total, dtype=setup.dtype, device=device)

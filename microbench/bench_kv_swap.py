@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
+from overlap import matmul_compute, measure_overlap  # noqa: E402
 from timing import time_calls  # noqa: E402
 
 from penelope.kernels.kv_swap import copy_kv_slots, naive_copy_kv_slots, plan_exchange, run_exchange  # noqa: E402
@@ -38,6 +39,8 @@ from penelope.kernels.kv_swap import kernel as kv_kernel  # noqa: E402
 SHAPES = {
     # name: (buffers = layers x K/V, kv heads, head dim, dtype)
     "qwen3-8b": (72, 8, 128, torch.bfloat16),
+    # The GPU script's reduced run on the CPU (microbench/gpu_stages/swap.py).
+    "tiny": (4, 2, 64, torch.bfloat16),
 }
 CHUNK_TOKENS = 1024
 BLOCK_TOKENS = 64
@@ -85,7 +88,7 @@ def block_slots(pool_tokens: int, tokens: int, seed: int) -> torch.Tensor:
     return (blocks[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(-1)
 
 
-def _row_bytes(shape: str) -> int:
+def row_bytes(shape: str) -> int:
     _, heads, dim, dtype = SHAPES[shape]
     return heads * dim * torch.empty((), dtype=dtype).element_size()
 
@@ -106,7 +109,7 @@ def test_cpu_copy(benchmark, provider):
     copy = PROVIDERS[provider]
     benchmark.pedantic(copy, args=(src, dst, src_slots, dst_slots), rounds=5, iterations=1, warmup_rounds=1)
 
-    payload = CHUNK_TOKENS * len(src) * _row_bytes(shape)
+    payload = CHUNK_TOKENS * len(src) * row_bytes(shape)
     # Bytes read + written: the kernel moves each row once; the torch path also writes and reads
     # back a gathered temporary.
     traffic = 2 * payload if provider == "triton" else 4 * payload
@@ -116,7 +119,7 @@ def test_cpu_copy(benchmark, provider):
         dtype=str(SHAPES[shape][3]),
         tokens=CHUNK_TOKENS,
         buffers=len(src),
-        row_bytes=_row_bytes(shape),
+        row_bytes=row_bytes(shape),
         payload_bytes=payload,
         traffic_bytes=traffic,
         traffic_vs_minimum=traffic / (2 * payload),
@@ -149,7 +152,7 @@ def gpu_pools():
     shape = "qwen3-8b"
     gpu = make_pool(shape, GPU_POOL_TOKENS, "cuda")
     host = make_pool(shape, GPU_POOL_TOKENS, "cpu", pinned=True)
-    row = _row_bytes(shape)
+    row = row_bytes(shape)
     peaks = {
         "d2h": _memcpy_peak_gbps(gpu, host, CHUNK_TOKENS, row),
         "h2d": _memcpy_peak_gbps(host, gpu, CHUNK_TOKENS, row),
@@ -180,7 +183,7 @@ def test_gpu_copy(benchmark, gpu_pools, direction, provider):
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
-    payload = CHUNK_TOKENS * len(src) * _row_bytes(shape)
+    payload = CHUNK_TOKENS * len(src) * row_bytes(shape)
     gbps = payload / _median_seconds(benchmark) / 1e9
     benchmark.extra_info.update(_environment(device))
     benchmark.extra_info.update(
@@ -189,7 +192,7 @@ def test_gpu_copy(benchmark, gpu_pools, direction, provider):
         direction=direction,
         tokens=CHUNK_TOKENS,
         buffers=len(src),
-        row_bytes=_row_bytes(shape),
+        row_bytes=row_bytes(shape),
         payload_bytes=payload,
         gbps=gbps,
         memcpy_peak_gbps=peaks[direction],
@@ -218,7 +221,7 @@ def test_gpu_exchange(benchmark, gpu_pools, buffer_chunks, min_run):
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
-    payload = 2 * tokens * len(gpu) * _row_bytes(shape)
+    payload = 2 * tokens * len(gpu) * row_bytes(shape)
     gbps = payload / _median_seconds(benchmark) / 1e9
     benchmark.extra_info.update(_environment(device))
     benchmark.extra_info.update(
@@ -238,37 +241,30 @@ def test_gpu_exchange(benchmark, gpu_pools, buffer_chunks, min_run):
 
 @requires_cuda
 def test_gpu_exchange_overlaps_compute(benchmark, gpu_pools):
-    """An exchange issued while compute runs (bf16 matmuls standing in for a prefill): the time of
-    both against each alone. ``overlap_fraction`` 1.0: the copies were hidden entirely."""
+    """An exchange issued on its side streams just before compute (bf16 matmuls standing in for a
+    prefill, sized to last as long as the exchange) on the main stream, which then waits for it: the
+    time of both against each alone (``overlap.py``). ``overlap_fraction`` 1.0: the exchange was
+    hidden entirely; 0: the two ran one after the other."""
     device, shape, gpu, host, peaks = gpu_pools
     tokens = CHUNK_TOKENS
     out_gpu = block_slots(GPU_POOL_TOKENS, tokens, seed=7)
     host_blocks = block_slots(GPU_POOL_TOKENS, 2 * tokens, seed=8)
     plan = plan_exchange(out_gpu, host_blocks[:tokens], host_blocks[tokens:])
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
 
-    def compute():
-        for _ in range(4):
-            a @ a
+    def start_exchange():
+        return run_exchange(plan, gpu, host, wait=False).wait_all
 
-    def exchange():
-        run_exchange(plan, gpu, host, wait=False).wait_all()
+    compute = matmul_compute(device, _cuda_seconds(lambda: start_exchange()()))
+    figures = measure_overlap(compute, start_exchange, device)
 
     def both():
+        join = start_exchange()
         compute()
-        exchange()
-        compute()
+        join()
+        torch.cuda.synchronize()
 
-    t_compute = 2 * _cuda_seconds(compute)
-    t_exchange = _cuda_seconds(exchange)
-    t_both = _cuda_seconds(both)
-    benchmark.pedantic(lambda: (both(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
-    hidden = t_compute + t_exchange - t_both
-    payload = 2 * tokens * len(gpu) * _row_bytes(shape)
+    benchmark.pedantic(both, rounds=3, iterations=1, warmup_rounds=1)
+    payload = 2 * tokens * len(gpu) * row_bytes(shape)
     benchmark.extra_info.update(_environment(device))
-    benchmark.extra_info.update(
-        shape=shape, tokens_each_way=tokens, payload_bytes_both_ways=payload,
-        compute_s=t_compute, exchange_s=t_exchange, both_s=t_both,
-        gbps_both_ways_alone=payload / t_exchange / 1e9,
-        overlap_fraction=hidden / min(t_compute, t_exchange),
-    )
+    benchmark.extra_info.update(shape=shape, tokens_each_way=tokens, payload_bytes_both_ways=payload,
+                                gbps_both_ways_alone=payload / figures["copy_s"] / 1e9, **figures)

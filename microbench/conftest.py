@@ -18,25 +18,21 @@ and after it has run:
 
 Files named ``bench_*.py`` are collected, so ``pytest microbench`` runs them all. Options:
 ``--bench-out DIR`` (where benchmarks write plots and JSON besides pytest-benchmark's
-own; default ``results/<cpu|gpu>``) and ``--gpu-only`` (run only the ``test_gpu*`` benchmarks:
-the GPU script uses it so CPU figures are not re-measured on the GPU machine).
+own; default ``results/<cpu|gpu>``) and ``--gpu-only`` (run only the ``test_gpu*`` benchmarks,
+so CPU figures are not re-measured on a GPU machine).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from machine import REPO, cpu_name, git, versions
 from telemetry import GpuTelemetry, gpu_record
-
-REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("torch", "triton", "penelope-kv", "sglang", "numpy", "pytest-benchmark", "nvidia-ml-py")
 
 
 def pytest_addoption(parser):
@@ -63,35 +59,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
-def versions() -> dict[str, str]:
-    """Installed versions of the packages that shape the figures (metadata only, no imports)."""
-    found = {}
-    for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return found
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def machine_kind() -> str:
     """``cpu`` without CUDA, else the first GPU's name as a lowercase slug (``nvidia-h200``)."""
     if not torch.cuda.is_available():
@@ -102,13 +69,13 @@ def machine_kind() -> str:
 @pytest.fixture(scope="session")
 def bench_environment() -> dict:
     """The environment entries added to every result (computed once per session)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no")
     cuda = torch.cuda.is_available()
     return {
         "versions": versions(),
-        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "commit": git("rev-parse", "HEAD") or "unknown",
         "commit_dirty": bool(status) if status is not None else None,
-        "device_name": torch.cuda.get_device_name(0) if cuda else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(0) if cuda else cpu_name(),
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",

@@ -1,25 +1,27 @@
-"""Every GPU microbenchmark in one prepared run, each step under its own time budget.
+"""The GPU script: every GPU measurement of the project in one run of at most 8 minutes, with only
+what the GPU machine has (no network: nothing is installed or downloaded).
 
-``run_gpu.sh`` installs the project (``scripts/install.sh test``) and calls this; it can also be run
-directly with the project's Python::
+    python microbench/run_gpu.py [--out DIR] [--budget SECONDS] [--only STAGE ...] [--shapes full|reduced]
+                                 [--dry-run]
 
-    python microbench/run_gpu.py [--out DIR] [--budget SECONDS] [--only NAME ...] [--dry-run]
+Stages, in order of value, each a process (``run_stage.py``) killed with its process group at its
+own limit (``STAGES``), never past what is left of ``--budget`` less the calibration's reserve:
+environment, attention, cost_curve, swap, decode, phantom (``gpu_stages/``), then calibration,
+which always runs and writes the simulator's calibration file last. Every measured point is
+appended to ``DIR/points.jsonl`` the moment it is measured, so a stage killed at its limit keeps
+what it had; the runner adds one ``status`` point per stage. ``DIR/run_gpu.log`` holds the stages'
+output and ``nvidia-smi``. ``--shapes reduced`` runs every stage on the CPU with the kernels
+interpreted (the code paths, not the figures).
 
-Steps: a check that CUDA works, then the ``test_gpu*`` benchmarks of every ``microbench/bench_*.py``
-(the cost curve first), each a pytest process killed with its process group when it passes its
-limit (``STEP_LIMITS``, default ``DEFAULT_LIMIT``, never more than what is left of ``--budget``).
-Writes into ``--out``: ``benchmarks.json`` (every step's results merged), ``run_gpu.log`` (all output,
-``nvidia-smi``, the comparison with the baseline) and the files the benchmarks write themselves.
-
-Exit status: 0 when every step passed and at least one GPU benchmark ran; 1 when a step failed,
-timed out or had no time left; 2 when no GPU benchmark ran at all (everything skipped: a run that
-measured nothing is not a success); 3 when CUDA is not available; 4 on bad arguments.
+Exit status: 0 every stage passed; 1 a stage failed, timed out or was skipped for lack of time;
+3 no CUDA GPU (after the environment point; full shapes only); 4 bad arguments; 5 a required
+package is missing (named on one line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import signal
 import subprocess
@@ -28,193 +30,185 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_BUDGET = 450
-DEFAULT_LIMIT = 120
-# The cost curve bounds itself at 230 s (SETUPS["gpu"].budget_s); the decode calibration times
-# batch 1/4/8 x contexts 1K..128K; the attention benchmark runs 10 contexts x 2 layouts x up to 4
-# providers.
-STEP_LIMITS = {"gpu_check": 60, "bench_cost_curve": 290, "bench_decode": 150, "bench_ragged_attention": 180}
-# Run first, in this order: the figures the simulator's calibration needs.
-FIRST = ("bench_cost_curve", "bench_decode")
-# Seconds a step needs at least to be worth starting.
-MIN_STEP = 20
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
 
-OK, FAILED, TIMED_OUT, SKIPPED, NO_GPU_BENCHMARK = "passed", "FAILED", "TIMED OUT", "SKIPPED", "no GPU benchmark"
+from gpu_stages.source_tree import use_source_tree  # noqa: E402
+
+# The points helper is Penelope's JSON code: imported from this working tree (standard library only).
+use_source_tree()
+
+from gpu_stages.points import POINTS_FILE, PointLog  # noqa: E402
 
 
-@dataclass
-class StepResult:
+@dataclass(frozen=True)
+class Stage:
     name: str
-    status: str
-    seconds: float
-    benchmarks: int  # GPU benchmark results the step recorded
+    limit: int  # seconds
+    module: str | None = None  # default gpu_stages.<name>
 
 
-def steps(only: list[str] | None = None) -> list[str]:
-    """The benchmark files to run, by name (``FIRST`` first), filtered by ``only``."""
-    names = sorted(path.stem for path in (REPO / "microbench").glob("bench_*.py"))
-    names.sort(key=lambda name: FIRST.index(name) if name in FIRST else len(FIRST))
-    if only:
-        unknown = sorted(set(only) - set(names))
-        if unknown:
-            raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(names)}")
-        names = [name for name in names if name in only]
-    return names
+STAGES = (
+    Stage("environment", 30),
+    # Compiles of two kernel configurations, the fp32 checks, 4 batches x 4 providers.
+    Stage("attention", 110),
+    # Qwen3-8B's 36 layers at 5 contexts, 3 rounds each; the 128K tail request alone is seconds.
+    Stage("cost_curve", 150),
+    Stage("swap", 60),
+    Stage("decode", 60),
+    Stage("phantom", 40),
+)
+CALIBRATION = Stage("calibration", 20)
+DEFAULT_BUDGET = 480
+# Seconds a stage needs at least to be worth starting.
+MIN_STAGE = 10
+# What the stages import; the bench_* modules they reuse import pytest.
+REQUIRED = ("torch", "triton", "numpy", "pytest")
+# Without them: no NVML telemetry, no cost-curve plot.
+OPTIONAL = ("pynvml", "matplotlib")
+
+PASSED, FAILED, TIMED_OUT, SKIPPED, NO_GPU_STATUS = "passed", "FAILED", "TIMED OUT", "SKIPPED", "no GPU"
+EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_BAD_ARGS, EXIT_MISSING = 0, 1, 3, 4, 5
+STAGE_NO_GPU = 3  # gpu_stages.context.NO_GPU
 
 
-def step_limit(name: str, left: float) -> int:
-    """Seconds step ``name`` may run with ``left`` seconds of the budget left."""
-    return int(min(STEP_LIMITS.get(name, DEFAULT_LIMIT), left))
+def missing(packages: tuple[str, ...] | None = None) -> list[str]:
+    """The packages (default ``REQUIRED``) this interpreter cannot import (looked up, not imported)."""
+    return [name for name in packages or REQUIRED if importlib.util.find_spec(name) is None]
 
 
-def count_benchmarks(path: Path) -> int:
-    """Results in a pytest-benchmark JSON (0 when missing or unreadable)."""
+def plan(only: list[str] | None = None) -> list[Stage]:
+    """The stages to run, in order: the environment first, the calibration last, the measuring
+    stages between (all of them, or those named in ``only``)."""
+    names = [stage.name for stage in STAGES[1:]]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(names)}")
+    return [STAGES[0], *(s for s in STAGES[1:] if not only or s.name in only), CALIBRATION]
+
+
+def stage_limit(stage: Stage, left: float) -> int:
+    """Seconds ``stage`` may run with ``left`` seconds of the budget left: its own limit, clipped
+    to what is left after the calibration's reserve (the calibration itself gets what is left)."""
+    if stage is CALIBRATION:
+        return int(max(MIN_STAGE, min(stage.limit, left)))
+    return int(min(stage.limit, left - CALIBRATION.limit))
+
+
+def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log) -> tuple[str, int]:
+    """Run one stage in its own process group, its output appended to the open file ``log``; kill
+    the group after ``limit`` seconds. Returns its status and exit code (124 when killed)."""
+    command = [sys.executable, str(HERE / "run_stage.py"), stage.name, "--out", str(out), "--shapes", shapes,
+               "--limit", str(limit)]
+    if stage.module:
+        command += ["--module", stage.module]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if shapes == "reduced":
+        env["TRITON_INTERPRET"] = "1"
+    log.flush()
+    process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
     try:
-        return len(json.loads(path.read_text()).get("benchmarks", []))
-    except (OSError, ValueError, AttributeError):
-        return 0
+        code = process.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return TIMED_OUT, 124
+    if code == 0:
+        return PASSED, code
+    return (NO_GPU_STATUS if code == STAGE_NO_GPU else FAILED), code
 
 
-def step_status(returncode: int, benchmarks: int) -> str:
-    """A benchmark step's status from pytest's exit code and the results it recorded."""
-    if returncode in (124, 137, -signal.SIGKILL, -signal.SIGTERM):
-        return TIMED_OUT
-    if returncode == 5 or (returncode == 0 and benchmarks == 0):
-        return NO_GPU_BENCHMARK
-    return OK if returncode == 0 else FAILED
+def exit_status(statuses: list[str]) -> int:
+    if NO_GPU_STATUS in statuses:
+        return EXIT_NO_GPU
+    return EXIT_OK if statuses and all(status == PASSED for status in statuses) else EXIT_FAILED
 
 
-def exit_status(results: list[StepResult], gpu: bool) -> int:
-    """0 all passed and some GPU benchmark ran, 1 a step failed, 2 nothing ran, 3 no CUDA."""
-    if not gpu:
-        return 3
-    if any(r.status in (FAILED, TIMED_OUT, SKIPPED) for r in results):
-        return 1
-    return 0 if sum(r.benchmarks for r in results) > 0 else 2
-
-
-def merge(paths: list[Path], out: Path) -> int:
-    """Merge pytest-benchmark JSON files into ``out``; returns the number of results."""
-    merged = None
-    for path in paths:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if merged is None:
-            merged = data
-        else:
-            merged["benchmarks"].extend(data.get("benchmarks", []))
-    if merged is None:
-        return 0
-    out.write_text(json.dumps(merged, indent=1))
-    return len(merged["benchmarks"])
-
-
-def run_limited(command: list[str], limit: float, log) -> int:
-    """Run ``command`` in its own process group, output appended to ``log``; kill the group after
-    ``limit`` seconds (returns 124 then)."""
-    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1")) as process:
-        deadline = time.monotonic() + limit
-        try:
-            out, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            out, _ = process.communicate()
-            log(out or "")
-            return 124
-        log(out or "")
-        return process.returncode
-
-
-class Log:
-    def __init__(self, path: Path):
-        self.path = path
-        path.write_text("")
-
-    def __call__(self, text: str, echo: bool = True) -> None:
-        with self.path.open("a") as handle:
-            handle.write(text if text.endswith("\n") else text + "\n")
-        if echo:
-            print(text.rstrip("\n")[-4000:], flush=True)
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "results" / "gpu"),
+                        help="output folder (default $OUT, else results/gpu)")
+    parser.add_argument("--budget", type=int, default=int(os.environ.get("TOTAL_BUDGET", DEFAULT_BUDGET)),
+                        help=f"seconds for the whole run (default $TOTAL_BUDGET, else {DEFAULT_BUDGET})")
+    parser.add_argument("--only", nargs="+", metavar="STAGE", help="run only these measuring stages")
+    parser.add_argument("--shapes", choices=("full", "reduced"), default="full",
+                        help="full: the GPU experiment; reduced: small shapes on the CPU, kernels interpreted")
+    parser.add_argument("--dry-run", action="store_true", help="print the stages and their limits, run nothing")
+    args = parser.parse_args(argv)
+    floor = STAGES[0].limit + CALIBRATION.limit
+    if args.budget < floor:
+        raise ValueError(f"--budget must be at least {floor} seconds, got {args.budget}")
+    args.stages = plan(args.only)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu"), help="output folder")
-    parser.add_argument("--budget", type=int, default=int(os.environ.get("TOTAL_BUDGET", DEFAULT_BUDGET)),
-                        help=f"seconds for the whole run (default {DEFAULT_BUDGET})")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these bench_* steps")
-    parser.add_argument("--python", default=sys.executable, help="interpreter of the benchmarks")
-    parser.add_argument("--dry-run", action="store_true", help="print the steps and their limits, run nothing")
     try:
-        args = parser.parse_args(argv)
-        if args.budget < MIN_STEP:
-            raise ValueError(f"--budget must be at least {MIN_STEP} seconds, got {args.budget}")
-        names = steps(args.only)
+        args = parse(argv)
     except ValueError as error:
         print(f"run_gpu: error: {error}", file=sys.stderr)
-        return 4
+        return EXIT_BAD_ARGS
     except SystemExit as error:
-        return 4 if error.code else 0
+        return EXIT_BAD_ARGS if error.code else EXIT_OK
     if args.dry_run:
-        for name in ["gpu_check", *names]:
-            print(f"{name}: limit {step_limit(name, args.budget)} s")
-        return 0
+        left = args.budget
+        for stage in args.stages:
+            limit = stage_limit(stage, left)
+            print(f"{stage.name}: limit {limit} s")
+            left -= limit
+        return EXIT_OK
+    absent = missing()
+    if absent:
+        print(f"run_gpu: missing package(s): {', '.join(absent)} (nothing is installed or downloaded here: "
+              "install them in this Python, or carry their wheels)", file=sys.stderr)
+        return EXIT_MISSING
 
-    out = Path(args.out)
+    out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    log = Log(out / "run_gpu.log")
+    (out / POINTS_FILE).unlink(missing_ok=True)
     start = time.monotonic()
-    log(f"== run_gpu {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, budget {args.budget} s")
-    smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True) if _has("nvidia-smi") else None
-    log(smi.stdout if smi is not None else "nvidia-smi not available", echo=False)
-    check = [args.python, "-c", "import torch, penelope.kernels; assert torch.cuda.is_available(), 'no CUDA device';"
-             " print(torch.cuda.get_device_name(), torch.__version__)"]
-    gpu = run_limited(check, step_limit("gpu_check", args.budget), log) == 0
-    results: list[StepResult] = []
-    if not gpu:
-        log("== no usable CUDA GPU: nothing can be measured")
-        return exit_status(results, gpu)
+    statuses = []
+    with (out / "run_gpu.log").open("w") as log:
+        def say(text: str) -> None:
+            print(text, flush=True)
+            log.write(text + "\n")
+            log.flush()
 
-    step_files = []
-    for name in names:
-        left = args.budget - (time.monotonic() - start)
-        if left < MIN_STEP:
-            log(f"== {name}: SKIPPED, {left:.0f} s left of the {args.budget} s budget")
-            results.append(StepResult(name, SKIPPED, 0.0, 0))
-            continue
-        limit = step_limit(name, left)
-        json_path = out / f".{name}.json"
-        json_path.unlink(missing_ok=True)
-        log(f"== {name} (limit {limit} s)")
-        began = time.monotonic()
-        code = run_limited([args.python, "-m", "pytest", f"microbench/{name}.py", "--gpu-only", "-q", "-s",
-                            "-p", "no:cacheprovider", "--benchmark-json", str(json_path), "--bench-out", str(out)],
-                           limit, log)
-        result = StepResult(name, "", time.monotonic() - began, count_benchmarks(json_path))
-        result.status = step_status(code, result.benchmarks)
-        results.append(result)
-        step_files.append(json_path)
-        log(f"== {name}: {result.status} in {result.seconds:.0f} s, {result.benchmarks} result(s)")
-
-    total = merge(step_files, out / "benchmarks.json")
-    for path in step_files:
-        path.unlink(missing_ok=True)
-    log(f"== {total} results in {out / 'benchmarks.json'}")
-    if total:
-        code = run_limited([args.python, "microbench/compare.py", str(out / "benchmarks.json")], 60, log)
-        if code == 2:
-            log("(no baseline of this machine kind yet: copy benchmarks.json to microbench/baselines/<kind>.json)")
-    status = exit_status(results, gpu)
-    log(f"== done in {time.monotonic() - start:.0f} s, exit status {status}")
-    return status
+        say(f"== run_gpu {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {args.shapes} shapes, budget "
+            f"{args.budget} s, python {sys.version.split()[0]}, optional packages missing: "
+            f"{', '.join(missing(OPTIONAL)) or 'none'}")
+        log.write(_nvidia_smi() + "\n")
+        for stage in args.stages:
+            left = args.budget - (time.monotonic() - start)
+            limit = stage_limit(stage, left)
+            status_log = PointLog(out / POINTS_FILE, stage.name)
+            if limit < MIN_STAGE:
+                say(f"== {stage.name}: {SKIPPED}, {left:.0f} s left of the {args.budget} s budget")
+                status_log.write("status", status=SKIPPED, limit_s=limit, seconds=0.0)
+                statuses.append(SKIPPED)
+                continue
+            say(f"== {stage.name} (limit {limit} s)")
+            began = time.monotonic()
+            status, code = run_stage(stage, limit, out, args.shapes, log)
+            seconds = time.monotonic() - began
+            status_log.write("status", status=status, returncode=code, limit_s=limit, seconds=round(seconds, 1))
+            statuses.append(status)
+            say(f"== {stage.name}: {status} in {seconds:.0f} s")
+            if status == NO_GPU_STATUS:
+                say("== no usable CUDA GPU: nothing can be measured (--shapes reduced runs on the CPU)")
+                break
+        code = exit_status(statuses)
+        say(f"== done in {time.monotonic() - start:.0f} s, exit status {code}; points in {out / POINTS_FILE}")
+    return code
 
 
-def _has(program: str) -> bool:
-    return any((Path(folder) / program).exists() for folder in os.environ.get("PATH", "").split(os.pathsep))
+def _nvidia_smi() -> str:
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "nvidia-smi not available"
 
 
 if __name__ == "__main__":

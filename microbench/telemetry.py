@@ -3,7 +3,7 @@
 A benchmark's figures only mean something next to the state of the GPU that produced them: a
 throttled clock or a hot chip explains a slow run. ``GpuTelemetry`` reads, for one GPU:
 
-- once: ``name``, ``driver``, ``index``, ``power_limit_w``;
+- once: ``name``, ``driver``, ``index``, ``power_limit_w``, ``max_sm_clock_mhz``, ``max_mem_clock_mhz``;
 - per sample: ``sm_clock_mhz``, ``mem_clock_mhz``, ``power_w``, ``temperature_c``,
   ``utilization_pct`` and ``clock_event_reasons`` (NVML's bit mask of why clocks are held down:
   power cap, thermal, ...; 0 or 1 (idle) when nothing limits them).
@@ -67,7 +67,7 @@ class GpuTelemetry:
         return value / scale if scale != 1.0 else value
 
     def static(self) -> dict[str, Any]:
-        """What does not change during a run: name, driver, index, power limit (W)."""
+        """What does not change during a run: name, driver, index, power limit (W), maximum clocks (MHz)."""
         try:
             driver = _text(self._nvml.nvmlSystemGetDriverVersion())
         except Exception:
@@ -78,6 +78,8 @@ class GpuTelemetry:
             "driver": driver,
             "index": self.index,
             "power_limit_w": self._read("nvmlDeviceGetEnforcedPowerLimit", scale=1000.0),
+            "max_sm_clock_mhz": self._read("nvmlDeviceGetMaxClockInfo", self._nvml.NVML_CLOCK_SM),
+            "max_mem_clock_mhz": self._read("nvmlDeviceGetMaxClockInfo", self._nvml.NVML_CLOCK_MEM),
         }
 
     def sample(self) -> dict[str, Any]:

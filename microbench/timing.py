@@ -8,6 +8,7 @@ other jobs on a shared machine and, with torch on one thread, holds all of the w
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -36,3 +37,13 @@ def time_calls(fn: Callable[[], object], device: torch.device, rounds: int, warm
     for _ in range(warmup):
         fn()
     return [elapsed(fn, device, clock) for _ in range(rounds)]
+
+
+def bench_seconds(fn: Callable[[], object], device: torch.device, rep_ms: int = 100, cpu_rounds: int = 2) -> float:
+    """Median seconds of a kernel call: on a GPU ``triton.testing.do_bench`` (L2 flushed before each
+    call, as many calls as fill ``rep_ms``), else ``cpu_rounds`` wall-clock calls after one warm-up."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
+    return statistics.median(time_calls(fn, device, cpu_rounds, warmup=1))

@@ -1,9 +1,10 @@
-"""Reading JSON files given on the command line: every way a file can be wrong is one UsageError
-naming the file (missing, a folder, not a regular file, too large, unreadable, not UTF-8, not
-JSON, nested too deeply)."""
+"""JSON files. Reading those given on the command line: every way a file can be wrong is one
+UsageError naming the file (missing, a folder, not a regular file, too large, unreadable, not
+UTF-8, not JSON, nested too deeply). Writing: `json_ready` makes values standard JSON."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from penelope.errors import UsageError
@@ -56,3 +57,14 @@ def parse_json(text: str, where: str, error=UsageError):
     except ValueError as err:
         # Integers of more than 4,300 digits, among others.
         raise error(f"{where}: not valid JSON ({err})") from None
+
+
+def json_ready(value):
+    """NaN and infinities become None, so the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    return value

@@ -1,10 +1,13 @@
-"""The CPU-checkable parts of the GPU benchmark run (microbench/run_gpu.py and run_gpu.sh): argument
-handling, per-step budgets, merging, and the exit status (a run that measured nothing fails)."""
+"""The GPU script on a machine without a GPU (microbench/run_gpu.py, run_stage.py, run_gpu.sh): the
+order and limits of its stages, points that survive a stage killed at its limit, the messages and
+exit statuses, and one whole run with reduced shapes on the CPU (the code paths every stage uses)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,150 +17,208 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "microbench"))
 
 import run_gpu  # noqa: E402
+from gpu_stages.points import POINTS_FILE, read_points  # noqa: E402
+
+# Stages written for these tests, run by the real run_stage.py (found through PYTHONPATH).
+FAKE_STAGES = {
+    "fake_env": """
+        def run(ctx):
+            ctx.log.write("environment", cuda_available=False)
+            return 0
+    """,
+    "fake_sleepy": """
+        import subprocess, time
+
+        def run(ctx):
+            child = subprocess.Popen(["sleep", "120"])
+            ctx.log.write("point", index=0, child=child.pid)
+            ctx.log.write("point", index=1, left_s=ctx.left())
+            time.sleep(120)
+            ctx.log.write("point", index=2)
+            return 0
+    """,
+    "fake_fails": """
+        def run(ctx):
+            ctx.log.write("point", index=0)
+            raise RuntimeError("broken on purpose")
+    """,
+    "fake_calibration": """
+        def run(ctx):
+            ctx.log.write("calibration", stages_seen=sorted({p["stage"] for p in __import__(
+                "gpu_stages.points", fromlist=["read_points"]).read_points(ctx.out / "points.jsonl")}))
+            return 0
+    """,
+}
 
 
-def test_steps_start_with_the_cost_curve_and_can_be_filtered():
-    names = run_gpu.steps()
-    assert names[0] == "bench_cost_curve" and "bench_ragged_attention" in names and "bench_kv_swap" in names
-    assert run_gpu.steps(["bench_kv_swap", "bench_cost_curve"]) == ["bench_cost_curve", "bench_kv_swap"]
-    with pytest.raises(ValueError, match="unknown step"):
-        run_gpu.steps(["bench_nothing"])
+@pytest.fixture
+def fake_stages(tmp_path, monkeypatch):
+    """The runner's stage table replaced by the fake stages (modules in tmp_path/modules)."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    for name, source in FAKE_STAGES.items():
+        (modules / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.setenv("PYTHONPATH", str(modules))
+
+    def install(*stages, calibration_limit=10):
+        monkeypatch.setattr(run_gpu, "STAGES", (run_gpu.Stage("environment", 10, "fake_env"), *stages))
+        monkeypatch.setattr(run_gpu, "CALIBRATION", run_gpu.Stage("calibration", calibration_limit, "fake_calibration"))
+
+    return install
 
 
-def test_each_step_gets_its_own_limit_within_what_is_left():
-    assert run_gpu.step_limit("bench_cost_curve", 1000) == 290
-    assert run_gpu.step_limit("bench_kv_swap", 1000) == run_gpu.DEFAULT_LIMIT
-    assert run_gpu.step_limit("bench_cost_curve", 100.7) == 100
+def test_stages_run_in_order_of_value_between_environment_and_calibration():
+    names = [stage.name for stage in run_gpu.plan()]
+    assert names == ["environment", "attention", "cost_curve", "swap", "decode", "phantom", "calibration"]
+    assert [s.name for s in run_gpu.plan(["decode", "attention"])] == ["environment", "attention", "decode",
+                                                                        "calibration"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        run_gpu.plan(["nothing"])
 
 
-@pytest.mark.parametrize(("code", "benchmarks", "status"), [
-    (0, 3, run_gpu.OK), (0, 0, run_gpu.NO_GPU_BENCHMARK), (5, 0, run_gpu.NO_GPU_BENCHMARK),
-    (124, 2, run_gpu.TIMED_OUT), (-9, 0, run_gpu.TIMED_OUT), (1, 2, run_gpu.FAILED), (2, 0, run_gpu.FAILED),
-])
-def test_step_status(code, benchmarks, status):
-    assert run_gpu.step_status(code, benchmarks) == status
+def test_each_stage_gets_its_own_limit_within_what_is_left():
+    attention = run_gpu.STAGES[1]
+    assert run_gpu.stage_limit(attention, 1000) == attention.limit
+    # The calibration's reserve is kept back from every other stage.
+    assert run_gpu.stage_limit(attention, 50.9) == int(50.9 - run_gpu.CALIBRATION.limit)
+    assert run_gpu.stage_limit(run_gpu.CALIBRATION, 3) == run_gpu.MIN_STAGE
+    # All of them fit the default budget: the whole run ends within 8 minutes.
+    assert sum(stage.limit for stage in run_gpu.plan()) <= run_gpu.DEFAULT_BUDGET <= 480
 
 
-def result(status, benchmarks=0):
-    return run_gpu.StepResult("bench_x", status, 1.0, benchmarks)
-
-
-def test_exit_status_fails_a_run_that_measured_nothing():
-    assert run_gpu.exit_status([], gpu=False) == 3
-    assert run_gpu.exit_status([result(run_gpu.OK, 4), result(run_gpu.NO_GPU_BENCHMARK)], gpu=True) == 0
-    assert run_gpu.exit_status([result(run_gpu.NO_GPU_BENCHMARK), result(run_gpu.NO_GPU_BENCHMARK)], gpu=True) == 2
-    assert run_gpu.exit_status([result(run_gpu.OK, 4), result(run_gpu.TIMED_OUT, 1)], gpu=True) == 1
-    assert run_gpu.exit_status([result(run_gpu.OK, 4), result(run_gpu.SKIPPED)], gpu=True) == 1
-    assert run_gpu.exit_status([result(run_gpu.FAILED, 4)], gpu=True) == 1
-
-
-def test_merge_keeps_every_result(tmp_path):
-    for name, count in (("a", 2), ("b", 3)):
-        (tmp_path / f"{name}.json").write_text(json.dumps({"benchmarks": [{"fullname": f"{name}{i}"}
-                                                                         for i in range(count)]}))
-    (tmp_path / "broken.json").write_text("{")
-    paths = [tmp_path / "a.json", tmp_path / "missing.json", tmp_path / "broken.json", tmp_path / "b.json"]
-    assert run_gpu.merge(paths, tmp_path / "all.json") == 5
-    assert run_gpu.count_benchmarks(tmp_path / "all.json") == 5
-    assert run_gpu.count_benchmarks(tmp_path / "missing.json") == 0
-    assert run_gpu.merge([tmp_path / "missing.json"], tmp_path / "none.json") == 0
-
-
-@pytest.mark.parametrize("argv", [["--budget", "5"], ["--only", "bench_nothing"], ["--budget", "many"]])
-def test_bad_arguments_exit_4(argv, tmp_path):
-    assert run_gpu.main([*argv, "--out", str(tmp_path)]) == 4
-
-
-def test_dry_run_lists_steps_and_limits(capsys):
+def test_dry_run_lists_the_stages_and_their_limits(capsys):
     assert run_gpu.main(["--dry-run", "--budget", "200"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "gpu_check: limit 60 s" and "bench_cost_curve: limit 200 s" in lines
+    assert lines[0] == "environment: limit 30 s" and lines[-1].startswith("calibration: limit")
+    assert "cost_curve: limit 40 s" in lines and "swap: limit 0 s" in lines
 
 
-class FakeSteps:
-    """Stands in for the subprocesses: the CUDA check, then each step writes ``results[name]``
-    benchmarks and returns ``codes[name]`` after ``seconds[name]`` of a fake clock."""
-
-    def __init__(self, gpu=True, results=None, codes=None, seconds=None):
-        self.gpu, self.results, self.codes, self.seconds = gpu, results or {}, codes or {}, seconds or {}
-        self.now = 0.0
-        self.ran = []
-
-    def monotonic(self):
-        return self.now
-
-    def run_limited(self, command, limit, log):
-        if "-c" in command:
-            return 0 if self.gpu else 1
-        if "microbench/compare.py" in command:
-            self.ran.append(("compare", limit))
-            return 2
-        name = Path(command[command.index("pytest") + 1]).stem
-        self.ran.append((name, limit))
-        self.now += min(self.seconds.get(name, 1.0), limit)
-        json_path = Path(command[command.index("--benchmark-json") + 1])
-        count = self.results.get(name, 0)
-        json_path.write_text(json.dumps({"benchmarks": [{"fullname": f"{name}::{i}", "extra_info": {}}
-                                                        for i in range(count)]}))
-        return self.codes.get(name, 0 if count else 5)
+@pytest.mark.parametrize("argv", [["--budget", "5"], ["--only", "nothing"], ["--budget", "many"],
+                                  ["--shapes", "huge"]])
+def test_bad_arguments_exit_4(argv, tmp_path):
+    assert run_gpu.main([*argv, "--out", str(tmp_path)]) == run_gpu.EXIT_BAD_ARGS
 
 
-def run_fake(monkeypatch, tmp_path, fake, *argv):
-    monkeypatch.setattr(run_gpu, "run_limited", fake.run_limited)
-    monkeypatch.setattr(run_gpu.time, "monotonic", fake.monotonic)
-    return run_gpu.main(["--out", str(tmp_path), "--only", "bench_cost_curve", "bench_kv_swap",
-                         "bench_ragged_attention", *argv])
+def test_a_missing_package_is_named_on_one_line_and_exits_5(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(run_gpu, "REQUIRED", ("numpy", "no_such_package_here", "torch"))
+    assert run_gpu.missing() == ["no_such_package_here"]
+    assert run_gpu.main(["--out", str(tmp_path / "out")]) == run_gpu.EXIT_MISSING
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "missing package(s): no_such_package_here" in message
+    assert not (tmp_path / "out").exists()
 
 
-def test_a_run_with_gpu_results_passes_and_merges_them(monkeypatch, tmp_path):
-    fake = FakeSteps(results={"bench_cost_curve": 2, "bench_ragged_attention": 3})
-    assert run_fake(monkeypatch, tmp_path, fake) == 0
-    assert run_gpu.count_benchmarks(tmp_path / "benchmarks.json") == 5
-    assert not list(tmp_path.glob(".bench_*.json"))
-    log = (tmp_path / "run_gpu.log").read_text()
-    assert "bench_kv_swap: no GPU benchmark" in log and "no baseline of this machine kind" in log
-    assert fake.ran[-1] == ("compare", 60)
+@pytest.mark.parametrize(("statuses", "code"), [
+    ([run_gpu.PASSED] * 3, 0), ([run_gpu.PASSED, run_gpu.FAILED], 1), ([run_gpu.PASSED, run_gpu.TIMED_OUT], 1),
+    ([run_gpu.PASSED, run_gpu.SKIPPED], 1), ([run_gpu.NO_GPU_STATUS], 3), ([], 1),
+])
+def test_exit_status(statuses, code):
+    assert run_gpu.exit_status(statuses) == code
 
 
-def test_a_run_where_every_step_skipped_its_gpu_benchmarks_fails(monkeypatch, tmp_path):
-    assert run_fake(monkeypatch, tmp_path, FakeSteps()) == 2
-
-
-def test_no_cuda_exits_3_before_any_step(monkeypatch, tmp_path):
-    fake = FakeSteps(gpu=False, results={"bench_cost_curve": 2})
-    assert run_fake(monkeypatch, tmp_path, fake) == 3 and fake.ran == []
-
-
-def test_budgets_limit_each_step_and_skip_what_no_longer_fits(monkeypatch, tmp_path):
-    fake = FakeSteps(results={"bench_cost_curve": 1, "bench_kv_swap": 1, "bench_ragged_attention": 1},
-                     seconds={"bench_cost_curve": 500}, codes={"bench_cost_curve": 124})
-    assert run_fake(monkeypatch, tmp_path, fake, "--budget", "300") == 1
-    # The cost curve got its own 290 s, the next step the 10 s left: too few to start.
-    assert fake.ran == [("bench_cost_curve", 290), ("compare", 60)]
-    log = (tmp_path / "run_gpu.log").read_text()
-    assert "bench_cost_curve: TIMED OUT" in log and "bench_kv_swap: SKIPPED" in log
-
-
-def test_run_limited_kills_the_whole_process_group(tmp_path):
-    script = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
-    lines = []
-    began = time.monotonic()
-    assert run_gpu.run_limited([sys.executable, "-c", script], 2, lines.append) == 124
-    assert time.monotonic() - began < 30
-    grandchild = int(lines[0].split()[0])
-    time.sleep(0.5)
+def _gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
     # Killed: gone, or a zombie waiting for its new parent to reap it.
-    status = Path(f"/proc/{grandchild}/status")
-    assert not status.exists() or "State:\tZ" in status.read_text()
+    return not status.exists() or "State:\tZ" in status.read_text()
 
 
-def test_the_script_on_a_machine_without_a_gpu_exits_3(tmp_path):
-    env = dict(os.environ, PENELOPE_SKIP_INSTALL="1", PYTHON=sys.executable)
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run(["bash", "microbench/run_gpu.sh", "--out", str(tmp_path), "--budget", "120"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 3, done.stdout + done.stderr
+def test_a_stage_killed_at_its_limit_keeps_its_points_and_its_children_die(fake_stages, tmp_path):
+    with (tmp_path / "log").open("w") as log:
+        began = time.monotonic()
+        status, code = run_gpu.run_stage(run_gpu.Stage("sleepy", 6, "fake_sleepy"), 6, tmp_path, "reduced", log)
+    assert (status, code) == (run_gpu.TIMED_OUT, 124) and time.monotonic() - began < 30
+    points = read_points(tmp_path / POINTS_FILE)
+    assert [(p["stage"], p["index"]) for p in points] == [("sleepy", 0), ("sleepy", 1)]
+    # The stage knew its deadline: its limit less a margin.
+    assert 0 < points[1]["left_s"] < 6
+    time.sleep(0.5)
+    assert _gone(points[0]["child"])
+
+
+def test_a_run_records_every_stage_and_goes_on_after_failures(fake_stages, tmp_path, capsys):
+    fake_stages(run_gpu.Stage("fails", 20, "fake_fails"), run_gpu.Stage("sleepy", 200, "fake_sleepy"),
+                run_gpu.Stage("late", 20, "fake_env"))
+    # 30 s: the sleepy stage gets what is left after the calibration's reserve and is killed there;
+    # too little is left for the last one.
+    assert run_gpu.main(["--out", str(tmp_path), "--budget", "30", "--shapes", "reduced"]) == run_gpu.EXIT_FAILED
+    statuses = {p["stage"]: p for p in read_points(tmp_path / POINTS_FILE, kind="status")}
+    assert [p["status"] for p in statuses.values()] == [run_gpu.PASSED, run_gpu.FAILED, run_gpu.TIMED_OUT,
+                                                        run_gpu.SKIPPED, run_gpu.PASSED]
+    assert list(statuses) == ["environment", "fails", "sleepy", "late", "calibration"]
+    assert statuses["sleepy"]["limit_s"] <= 30 - 10
+    error = read_points(tmp_path / POINTS_FILE, stage="fails", kind="error")[0]
+    assert "broken on purpose" in error["error"] and "Traceback" in error["traceback"]
+    # The calibration ran last and saw what the others had written.
+    calibration = read_points(tmp_path / POINTS_FILE, kind="calibration")[0]
+    assert calibration["stages_seen"] == ["environment", "fails", "late", "sleepy"]
+    log = (tmp_path / "run_gpu.log").read_text()
+    assert "== late: SKIPPED" in log and "RuntimeError: broken on purpose" in log
+    assert "== done in" in capsys.readouterr().out
+
+
+def test_a_real_stage_killed_mid_way_keeps_the_points_it_had_written(tmp_path):
+    """The cost-curve stage (reduced shapes, interpreted kernel) killed after its first context."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    command = [sys.executable, "microbench/run_stage.py", "cost_curve", "--out", str(tmp_path), "--shapes",
+               "reduced", "--limit", "300"]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not read_points(tmp_path / POINTS_FILE, kind="context") and time.monotonic() < deadline:
+            assert process.poll() is None, "the stage ended before it was killed"
+            time.sleep(0.2)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    contexts = read_points(tmp_path / POINTS_FILE, kind="context")
+    assert contexts and contexts[0]["gpu_context"] == 8 * 1024 and contexts[0]["front_seconds"] > 0
+    assert not read_points(tmp_path / POINTS_FILE, kind="summary")
+
+
+def _script(tmp_path, *argv, **env):
+    environment = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "OUT")}
+    environment.update(PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", "microbench/run_gpu.sh", *argv], cwd=REPO, env=environment, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_script_without_a_gpu_exits_3_after_the_environment_point(tmp_path):
+    done = _script(tmp_path, OUT=str(tmp_path))
+    assert done.returncode == run_gpu.EXIT_NO_GPU, done.stdout + done.stderr
+    points = read_points(tmp_path / POINTS_FILE)
+    assert [(p["stage"], p["kind"]) for p in points] == [("environment", "environment"), ("environment", "status")]
+    environment = points[0]
+    assert environment["cuda_available"] is False and environment["torch"] and environment["python"]
+    assert len(environment["tree_fingerprint"]) == 40 and "nvml" in environment
     assert "no usable CUDA GPU" in (tmp_path / "run_gpu.log").read_text()
-    done = subprocess.run(["bash", "microbench/run_gpu.sh", "--budget", "5"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 4 and "--budget must be at least" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTS_FILE, "run_gpu.log"]
+    done = _script(tmp_path, "--budget", "5")
+    assert done.returncode == run_gpu.EXIT_BAD_ARGS and "--budget must be at least" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_reduced_run_on_the_cpu_passes_every_stage(tmp_path):
+    """Every stage's code path with reduced shapes, the kernels interpreted (about 80 s on 2 cores)."""
+    began = time.monotonic()
+    done = _script(tmp_path, "--out", str(tmp_path), "--shapes", "reduced")
+    assert done.returncode == 0, done.stdout + done.stderr + (tmp_path / "run_gpu.log").read_text()[-3000:]
+    assert time.monotonic() - began < run_gpu.DEFAULT_BUDGET
+    points = read_points(tmp_path / POINTS_FILE)
+    kinds = {(p["stage"], p["kind"]) for p in points}
+    assert {("attention", "check"), ("attention", "speed"), ("cost_curve", "context"), ("swap", "copy"),
+            ("swap", "overlap"), ("decode", "step"), ("phantom", "phantom"), ("calibration", "calibration")} <= kinds
+    assert all(p["passed"] for p in points if p["kind"] == "check")
+    # Our kernel with 3 pipeline stages gives the pinned configuration's result.
+    assert all(p["equal_to_pinned"] for p in points if p.get("provider") == "penelope_stages_3")
+    # A provider that cannot run here is recorded with its reason; the others matched ours.
+    unavailable = {p["provider"]: p["reason"] for p in points if p["kind"] == "unavailable"}
+    assert "sdpa_cudnn" in unavailable
+    assert all(p["matches_ours"] for p in points if p["kind"] == "speed" and "matches_ours" in p)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration_reduced.json", "cost_curve.png", POINTS_FILE,
+                                                         "run_gpu.log"]
+    calibration = json.loads((tmp_path / "calibration_reduced.json").read_text())
+    assert calibration["model"] == "tiny" and "decode_overhead" in calibration
+    assert "simulator estimates kept" in calibration["source"]
+    # The stage read its file back through the simulator's own reader.
+    assert read_points(tmp_path / POINTS_FILE, kind="calibration")[0]["read_back"] is True

@@ -51,6 +51,7 @@ def _fake_nvml(init_fails=False, power_fails=False):
         nvmlDeviceGetCurrentClocksEventReasons=record("reasons", 4),
     )
     module.nvmlDeviceGetClockInfo = lambda handle, clock: {0: 1980, 2: 3201}[clock]
+    module.nvmlDeviceGetMaxClockInfo = lambda handle, clock: {0: 1980, 2: 3201}[clock] + 10
     return module, calls
 
 
@@ -71,6 +72,7 @@ def test_telemetry_reads_nvml(monkeypatch):
     }
     record = telemetry.gpu_record(gpu, before, {**before, "temperature_c": 55})
     assert record["name"] == "NVIDIA H200" and record["driver"] == "570.86" and record["power_limit_w"] == 700.0
+    assert (record["max_sm_clock_mhz"], record["max_mem_clock_mhz"]) == (1990, 3211)
     assert record["before"]["temperature_c"] == 41 and record["after"]["temperature_c"] == 55
     gpu.close()
     assert calls[-1] == "shutdown"
@@ -107,7 +109,7 @@ def test_not_a_benchmark():
 
 @pytest.mark.parametrize("gpu_only", [False, True])
 def test_conftest_records_environment(tmp_path, gpu_only):
-    for name in ("conftest.py", "telemetry.py"):
+    for name in ("conftest.py", "machine.py", "telemetry.py"):
         shutil.copy(MICROBENCH / name, tmp_path / name)
     (tmp_path / "bench_demo.py").write_text(DEMO_BENCH)
     out = tmp_path / "out.json"

@@ -15,7 +15,6 @@ longest-prefix-first scheduler, as SGLang's scheduler counts host hits.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from penelope.cache.baselines.hicache import HiCacheLikeCache
@@ -26,6 +25,7 @@ from penelope.cache.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import ModelShape, get_model
 from penelope.errors import UsageError
+from penelope.jsonfile import json_ready
 from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound
 from penelope.sim.fleet import FleetSummary, fleet_summary
 from penelope.sim.metrics import Summary, changes_against, summarize
@@ -279,12 +279,3 @@ def baseline_of(results: dict[str, PolicyResult]) -> PolicyResult:
     raise UsageError(f"no {BASELINE_ALIAS!r} result")
 
 
-def json_ready(value):
-    """NaN and infinities become None, so the JSON is standard."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(item) for item in value]
-    return value

@@ -1,0 +1,72 @@
+"""Stage 1: the machine and the code, before anything is measured: driver, clocks, versions, commit.
+
+On a GPU: the device's properties, NVML's static figures and a sample of its clocks, power and
+temperature (``telemetry.py``), and ``nvidia-smi``'s view of the same. The copy of the tree on the
+GPU machine may have no ``.git``: then ``commit`` is null and ``tree_fingerprint`` identifies the
+files (``machine.tree_fingerprint``, the same on a checkout of the same commit).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+import numpy
+import torch
+import triton
+from machine import cpu_name, git, host_memory, tree_fingerprint, versions
+from telemetry import GpuTelemetry
+
+from .context import NO_GPU, PASSED, StageContext
+
+PACKAGES = ("torch", "triton", "numpy", "pytest", "pytest-benchmark", "hypothesis", "nvidia-ml-py", "matplotlib",
+            "sglang", "flashinfer-python", "setuptools", "wheel")
+SMI_FIELDS = ("name", "driver_version", "pstate", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem",
+              "power.limit", "temperature.gpu", "mig.mode.current")
+
+
+def nvidia_smi() -> dict | str | None:
+    """``nvidia-smi``'s fields of the first GPU (None without it; its error text when it fails)."""
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return (done.stdout + done.stderr).strip()[:500]
+    values = [value.strip() for value in done.stdout.splitlines()[0].split(",")]
+    return dict(zip(SMI_FIELDS, values, strict=False))
+
+
+def cuda_device() -> dict | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    return {"name": props.name, "capability": list(torch.cuda.get_device_capability(0)),
+            "multiprocessors": props.multi_processor_count, "memory_bytes": total, "free_bytes": free,
+            "device_count": torch.cuda.device_count()}
+
+
+def run(ctx: StageContext) -> int:
+    telemetry = GpuTelemetry.open() if torch.cuda.is_available() else None
+    gpu = None
+    if telemetry is not None:
+        gpu = {**telemetry.static(), "sample": telemetry.sample()}
+        telemetry.close()
+    status = git("status", "--porcelain", "--untracked-files=no")
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    ctx.log.write(
+        "environment",
+        shapes="full" if ctx.full else "reduced",
+        python=platform.python_version(), platform=platform.platform(),
+        torch=torch.__version__, torch_cuda=torch.version.cuda, cudnn=cudnn,
+        triton=triton.__version__, numpy=numpy.__version__, packages=versions(PACKAGES),
+        commit=git("rev-parse", "HEAD"), commit_dirty=bool(status) if status is not None else None,
+        tree_fingerprint=tree_fingerprint(),
+        cpu=cpu_name(), cpu_count=os.cpu_count(), host_memory=host_memory(),
+        triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+        cuda_available=torch.cuda.is_available(), cuda_device=cuda_device(), nvml=gpu, nvidia_smi=nvidia_smi(),
+    )
+    return NO_GPU if ctx.full and not torch.cuda.is_available() else PASSED
