@@ -2,6 +2,7 @@
 one. ``tests/test_sglang_engine.py`` runs them inside SGLang's real scheduler loop."""
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -279,3 +280,52 @@ def test_a_request_gets_no_row_its_predecessors_riders_took(budget_hooks):
 def test_the_prefix_aware_cpu_backend_takes_riders():
     """It stores the batch's K/V before it reads any prefix, as torch_native does."""
     assert Serving(size=64 * 40, page_size=64, backend="torch_native_prefix", refill="riders").cache.riders
+
+
+class _CountedReads(torch.Tensor):
+    """A req_to_token table that counts its reads back to the host (each one waits for a GPU)."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and "cpu" in map(str, [*args[1:], *kwargs.values()]):
+            cls.reads += 1
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_batch_of_riders_reads_its_rows_back_once(budget_hooks):
+    """Two requests with a hole each (sessions A and C lost their fronts): linking their phantoms'
+    slots reads the table back to the host once for the whole batch."""
+    serving = Serving(size=64 * 60, page_size=64)
+    system = blocks(1000, 2)
+    a, c = system + blocks(1, 6), system + blocks(3000, 6)
+    for tokens in (a + [7], c + [7], system + blocks(5000, 6) + [8]):
+        serving.prefill([tokens])
+    serving.cache.evict(EvictParams(num_tokens=128))
+    # A was used last: C is the next victim.
+    serving.cache.cache.match(np.asarray(a, dtype=np.int64))
+    serving.cache.evict(EvictParams(num_tokens=128))
+    adder = new_adder(serving)
+    reqs = [admit(serving, adder, tokens + blocks(9000, 1) + [9])[0] for tokens in (a, c)]
+    assert [serving.cache.rider_holes(r) for r in reqs] == [[(128, 256)], [(128, 256)]]
+    serving.req_pool.req_to_token = serving.req_pool.req_to_token.as_subclass(_CountedReads)
+    link = serving.cache.link_riders
+    counted = []
+
+    def counting(riders):
+        _CountedReads.reads = 0
+        link(riders)
+        counted.append(_CountedReads.reads)
+
+    serving.cache.link_riders = counting
+    batch = serving.build_batch(adder.can_run_list)
+    assert counted == [1] and len(batch.reqs) == 4
+    serving.req_pool.req_to_token = serving.req_pool.req_to_token.as_subclass(torch.Tensor)
+    serving.forward(batch)
+    for req in reqs:
+        serving.check_row(req)
+    serving.finish(batch)
+    assert serving.accounting()[0] == serving.total
+    serving.cache.check_invariants()

@@ -238,8 +238,8 @@ def _link_rows(original, batch):
     result = original(batch)
     riders = getattr(batch, _RIDERS, None)
     if riders:
+        batch.tree_cache.link_riders(riders)
         for req, phantoms in riders:
-            batch.tree_cache.link_riders(req, phantoms)
             if not req.retracted_stain:
                 # prepare_for_extend counted the request's whole prefix as cached; its riders'
                 # holes are computed by this batch (users bill and route on cached_tokens).

@@ -460,34 +460,46 @@ class PenelopeRadixCache(BasePrefixCache):
             return None
         return hole_end - position
 
-    def link_riders(self, req, phantoms: list) -> None:
-        """After allocation: hand the phantoms' hole slots to the tree (they are written by the
-        forward about to run) and point the request's row, and the rows of its later phantoms
-        (whose prefixes contain the hole), at the tree's slots. A hole some other request refilled
-        meanwhile keeps the tree's slots; the phantom's are freed."""
+    def link_riders(self, riders: list) -> None:
+        """After allocation, for every (request, its phantoms) of a batch: hand the phantoms' hole
+        slots to the tree (they are written by the forward about to run) and point the request's
+        row, and the rows of its later phantoms (whose prefixes contain the hole), at the tree's
+        slots. A hole some other request refilled meanwhile keeps the tree's slots; the phantom's
+        are freed. The batch's rows are read back in one device-to-host copy and written in one
+        scatter, not once per phantom (each read from a GPU waits for it)."""
         table = self.req_to_token_pool.req_to_token
-        handle = self._locks[req.lock.receipt.node_id]
-        for i, phantom in enumerate(phantoms):
-            start, end = phantom.prefix_len, phantom.extend_end
-            row = phantom.kv.req_pool_idx
-            passed = table[row, start:end].to("cpu", torch.int64).numpy()
-            kept = self.cache.refill(handle, start, passed)
-            if self.kv_events.enabled:
-                namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=True)
-                self.kv_events.stored_range(self.cache, key_tokens(req.full_untruncated_fill_ids, end, namespace),
-                                            start, end)
-            others = passed != kept
-            if others.any():
-                self.slots.free(passed[others])
-            slots = torch.from_numpy(kept).to(table.device, table.dtype)
-            for holder in [phantom, req, *phantoms[i + 1:]]:
-                table[holder.kv.req_pool_idx, start:end] = slots
-            # The hole is the tree's now: SGLang must not count it as the phantom's as well.
-            phantom.kv.cache_protected_len = end
-            self.rider_tokens += end - start
-        if phantoms:
-            logger.debug("penelope: %s refills %s with phantoms", req.rid,
-                         [(p.prefix_len, p.extend_end) for p in phantoms])
+        phantoms = [phantom for _, ones in riders for phantom in ones]
+        if not phantoms:
+            return
+        passed_all = torch.cat([table[p.kv.req_pool_idx, p.prefix_len:p.extend_end] for p in phantoms]).to(
+            "cpu", torch.int64).numpy()
+        rows, columns, values = [], [], []
+        offset = 0
+        for req, ones in riders:
+            handle = self._locks[req.lock.receipt.node_id]
+            for i, phantom in enumerate(ones):
+                start, end = phantom.prefix_len, phantom.extend_end
+                passed = passed_all[offset:offset + end - start]
+                offset += end - start
+                kept = self.cache.refill(handle, start, passed)
+                if self.kv_events.enabled:
+                    namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=True)
+                    self.kv_events.stored_range(self.cache, key_tokens(req.full_untruncated_fill_ids, end, namespace),
+                                                start, end)
+                others = passed != kept
+                if others.any():
+                    self.slots.free(passed[others])
+                for holder in [phantom, req, *ones[i + 1:]]:
+                    rows.append(np.full(end - start, holder.kv.req_pool_idx, dtype=np.int64))
+                    columns.append(np.arange(start, end, dtype=np.int64))
+                    values.append(kept)
+                # The hole is the tree's now: SGLang must not count it as the phantom's as well.
+                phantom.kv.cache_protected_len = end
+                self.rider_tokens += end - start
+            logger.debug("penelope: %s refills %s with phantoms", req.rid, [(p.prefix_len, p.extend_end) for p in ones])
+        device = table.device
+        where = tuple(torch.from_numpy(np.concatenate(parts)).to(device) for parts in (rows, columns))
+        table[where] = torch.from_numpy(np.concatenate(values)).to(device, table.dtype)
 
     def evictable_size(self) -> int:
         return self.cache.evictable_size()
