@@ -259,7 +259,7 @@ def workload_stats(workload: Workload) -> dict[str, float]:
                 (tool_waits if request.kind == TOOL else human_waits).append(request.think_time)
             if previous is not None:
                 transitions += 1
-                kept = _common_prefix(previous.keys, request.keys)
+                kept = common_prefix(previous.keys, request.keys)
                 extensions += kept == previous.n_blocks
                 compactions += kept < previous.n_blocks / 2
             previous = request
@@ -287,7 +287,8 @@ def workload_stats(workload: Workload) -> dict[str, float]:
     }
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries `a` and `b` share."""
     n = min(a.shape[0], b.shape[0])
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n

@@ -1,0 +1,154 @@
+"""An SGLang server for load tests: `python -m sglang.launch_server` on 127.0.0.1, in a process
+group of its own, its output kept in a log file, ready once `/health` answers 200, and its whole
+process group killed when it is stopped, when the `with` block ends (also on an exception or
+Ctrl-C), or when the Python process exits.
+
+    spec = ServerSpec(model="/path/to/model", args=("--radix-cache-backend", "penelope"),
+                      log=Path("server.log"))
+    with SGLangServer(spec) as server:
+        ... server.url ...
+
+SGLang on CPU (docs/design.md section 7) needs `CPU_ARGS` and `CPU_ENV`, plus `sgl_kernel`'s CPU
+build or the tests' stand-in on `PYTHONPATH`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from penelope.errors import PenelopeError
+
+CPU_ARGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native", "--disable-cuda-graph",
+            # An idle scheduler otherwise busy-polls a core and slows the client and other servers.
+            "--sleep-on-idle")
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+HOST = "127.0.0.1"
+STOP_TIMEOUT = 30.0
+
+
+class ServerStartError(PenelopeError):
+    """The server exited or did not become ready; the message names its log."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """model: checkpoint path or name; args: further `sglang.launch_server` options (not --host
+    or --port); env: variables added to this process's environment; log: the server's stdout and
+    stderr; port: None picks a free one; startup_timeout: seconds until `/health` answers."""
+
+    model: str
+    log: Path
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int | None = None
+    python: str = sys.executable
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        given = {"--host", "--port"} & {a.split("=")[0] for a in self.args}
+        if given:
+            raise ValueError(f"ServerSpec.args: {sorted(given)} are set by the launcher (127.0.0.1, ServerSpec.port)")
+
+
+class SGLangServer:
+    """One SGLang server process group (see the module docstring)."""
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.port = spec.port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [self.spec.python, "-m", "sglang.launch_server", "--model-path", str(self.spec.model),
+                "--host", HOST, "--port", str(self.port), *self.spec.args]
+
+    def start(self) -> SGLangServer:
+        """Start the server and wait until it is ready; ServerStartError (server stopped) if it
+        exits first or is not ready within the start-up timeout."""
+        self.spec.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spec.log, "ab") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env={**os.environ, **self.spec.env},
+                                            start_new_session=True)
+        atexit.register(self.stop)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartError(f"sglang.launch_server exited with code {code} before it was ready "
+                                       f"({self.log_tail()}; log: {self.spec.log})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerStartError(f"sglang.launch_server did not answer {self.url}/health within "
+                               f"{self.spec.startup_timeout:g} s (log: {self.spec.log})")
+
+    def log_tail(self) -> str:
+        """The log's last non-empty line, for a one-line error."""
+        try:
+            lines = [line for line in self.spec.log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "no log"
+        return lines[-1].strip()[:300] if lines else "empty log"
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL to whatever is left after `STOP_TIMEOUT` seconds
+        (SGLang's launcher stops its scheduler and detokenizer processes on SIGTERM)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        group = process.pid
+        try:
+            os.killpg(group, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
