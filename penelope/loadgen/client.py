@@ -11,9 +11,9 @@ What each API sends back (SGLang 0.5.23):
 - `/generate`: every chunk `{"output_ids": [...], "meta_info": {...}}`; `output_ids` holds every
   id so far, or only the new ones when the server runs with `--incremental-streaming-output`;
   `meta_info` has `completion_tokens`, `prompt_tokens`, `cached_tokens` and `finish_reason`
-  (`{"type": "abort", ...}` when the server gave up on the request). Only the last chunk's
-  ids are parsed when they are cumulative (parsing every chunk's would cost the square of the
-  reply's length).
+  (`{"type": "abort", ...}` when the server gave up on the request). When the ids are
+  cumulative, the first and the last chunk are parsed whole and the others only for their
+  `completion_tokens` (parsing every chunk's ids would cost the square of the reply's length).
 - `/v1/completions` with `return_token_ids`: each chunk's `choices[0].token_ids` holds its new
   ids; with `stream_options.include_usage` a last chunk carries `usage`, where
   `prompt_tokens_details.cached_tokens` is present only when the server runs with
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ MAX_ERROR = 300
 # aiohttp splits a stream into lines of at most this many bytes; a cumulative chunk of a long
 # reply is one line of about 7 bytes per id.
 READ_BUFFER = 1 << 24
-_META = b'"meta_info":'
+_COMPLETION = re.compile(rb'"completion_tokens":\s*(\d+)')
+_UNFINISHED = re.compile(rb'"finish_reason":\s*null')
 
 
 @dataclass(frozen=True)
@@ -112,24 +114,22 @@ class _Stream:
         return True
 
     def _generate(self, payload: bytes) -> None:
-        meta = None
-        at = payload.rfind(_META)
-        if self.cumulative and at > 0:
-            # Intermediate chunks: only meta_info (the ids so far are parsed once, at the end).
-            try:
-                meta = json.loads(payload[at + len(_META):-1])
-            except ValueError:
-                meta = None
-        if meta is None or meta.get("finish_reason") is not None:
-            obj = json.loads(payload)
-            if self._error(obj):
+        if self.cumulative and self.tokens and _UNFINISHED.search(payload):
+            # An intermediate chunk after the first: only its token count is read (every id so
+            # far is parsed once, from the last chunk).
+            found = _COMPLETION.search(payload)
+            if found:
+                self.tokens = int(found[1])
                 return
-            meta = obj["meta_info"]
-            ids = obj.get("output_ids") or []
-            if self.cumulative:
-                self.ids = ids
-            else:
-                self.ids.extend(ids)
+        obj = json.loads(payload)
+        if self._error(obj):
+            return
+        meta = obj["meta_info"]
+        ids = obj.get("output_ids") or []
+        if self.cumulative:
+            self.ids = ids
+        else:
+            self.ids.extend(ids)
         self.tokens = int(meta.get("completion_tokens", len(self.ids)))
         self.record.cached_tokens = meta.get("cached_tokens")
         self.record.server_prompt_tokens = meta.get("prompt_tokens")
@@ -183,24 +183,16 @@ async def stream_request(http: aiohttp.ClientSession, url: str, api: str, body: 
                 record.fail("http_error", f"HTTP {response.status}: {_message(text)}")
                 return
             record.http_status = response.status
-            async for line in response.content:
-                now = time.perf_counter()
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                if api == OPENAI and record.reply_ids == "none" and b'"token_ids"' in payload:
-                    record.reply_ids = "server"
-                try:
-                    reader.feed(payload, now)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    record.fail("broken_stream", f"a chunk that is not the API's JSON: {_message(payload)}")
-                    break
-                record.overhead += time.perf_counter() - now
-                if record.status != "pending":
-                    break
+            pending = b""
+            async for data in response.content.iter_any():
+                now, cpu = time.perf_counter(), time.thread_time()
+                pending += data.replace(b"\r\n", b"\n")
+                if b"\n\n" in pending:
+                    *events, pending = pending.split(b"\n\n")
+                    done = _read_events(reader, events, now)
+                    record.overhead += time.thread_time() - cpu
+                    if done or record.status != "pending":
+                        break
     except asyncio.CancelledError:
         _finish(record, reader, start)
         if record.status == "pending":
@@ -218,6 +210,28 @@ async def stream_request(http: aiohttp.ClientSession, url: str, api: str, body: 
             record.status = "ok"
         else:
             record.fail("broken_stream", "the stream ended before a finish reason")
+
+
+def _read_events(reader: _Stream, events: list[bytes], now: float) -> bool:
+    """Feed server-sent events (`data: ...` lines) to `reader`; True when the stream is over
+    (`[DONE]`, or a chunk the request failed on)."""
+    record = reader.record
+    for event in events:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return True
+            if reader.api == OPENAI and record.reply_ids == "none" and b'"token_ids"' in payload:
+                record.reply_ids = "server"
+            try:
+                reader.feed(payload, now)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                record.fail("broken_stream", f"a chunk that is not the API's JSON: {_message(payload)}")
+            if record.status != "pending":
+                return True
+    return False
 
 
 def _finish(record: RequestRecord, reader: _Stream, start: float) -> None:

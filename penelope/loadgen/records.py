@@ -29,8 +29,8 @@ class RequestRecord:
     ids of the same length stood for them in the next prompt; "none": not needed).
     cached_tokens, server_prompt_tokens: what the server reported (None: not reported).
     ttft, itl, e2e: see `penelope.loadgen.client`; None when no token arrived.
-    overhead: seconds this client spent on the request in its own code (building and encoding
-    the prompt, parsing chunks), outside the wait for the network and the server.
+    overhead: CPU seconds this client spent on the request in its own code (building and
+    encoding the prompt, parsing chunks), outside the wait for the network and the server.
     status: `ok`, `cut` (in flight when a bound stopped the run) or a failure (`FAILURES`).
     """
 

@@ -132,7 +132,7 @@ class _Run:
 
     async def send(self, prompts: SessionPrompts, turn: int, request: Request,
                    scheduled_at: float | None) -> RequestRecord:
-        began = time.perf_counter()
+        began = time.thread_time()
         session = prompts.session
         ids = prompts.next_prompt()
         hint = None
@@ -150,7 +150,7 @@ class _Run:
             think_time=request.think_time if self.workload.closed_loop else 0.0,
             prompt_tokens=len(ids), max_new_tokens=max_new,
         )
-        record.overhead = time.perf_counter() - began
+        record.overhead = time.thread_time() - began
         try:
             await stream_request(self.http, self.target.endpoint, self.target.api, body, record,
                                  self.target.cumulative)

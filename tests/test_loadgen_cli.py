@@ -1,0 +1,96 @@
+"""`penelope load` against a stand-in server: the report, bad input as one line (exit 2), and
+Ctrl-C or SIGTERM keeping the records of the requests that ended."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from loadgen_stub import StubServer
+
+from penelope.cli import main
+from penelope.loadgen.records import read_records
+
+QUICK = ["--vocab", "1000", "--scale", "32", "--limit-sessions", "2", "--turns", "3", "--think-time", "cap:0",
+         "--no-progress"]
+
+
+def test_a_run_prints_the_table_the_overhead_and_writes_its_files(tmp_path, capsys):
+    records, report = tmp_path / "records.jsonl", tmp_path / "load.json"
+    with StubServer() as stub:
+        code = main(["load", "--url", stub.url, *QUICK, "--repeat", "2", "--records", str(records),
+                     "--json", str(report), "--plot", str(tmp_path / "load.png")])
+    out = capsys.readouterr().out
+    assert code == 0
+    for label in ("TTFT mean", "TTFT p99", "ITL mean", "E2E mean", "JCT mean", "throughput", "cached fraction",
+                  "errors", "client overhead mean"):
+        assert label in out
+    assert "mean ±95% over runs" in out and "client overhead per request: mean" in out
+    assert "12 requests sent over 2 runs, 12 finished" in out
+    kept = read_records(str(records))
+    assert len(kept) == 12 and {r.repeat for r in kept} == {0, 1} and all(r.ok for r in kept)
+    payload = json.loads(report.read_text())
+    assert len(payload["runs"]) == 2 and payload["estimates"]["ttft_mean"]["n"] == 2
+    assert payload["server"]["vocab"] == 1000 and (tmp_path / "load.png").stat().st_size > 0
+
+
+def _bad_jsonl(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10}\n')
+    return ["--trace", str(path)]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--vocab", "10"], "cannot reach the server at"),
+    (lambda url, tmp: ["--url", url, "--api", "openai", "--vocab", "10"], "a one-token request failed: HTTP 404"),
+    (lambda url, tmp: ["--url", url, "--vocab", "1000", *_bad_jsonl(tmp)], "bad.jsonl:1: 'output_length'"),
+    (lambda url, tmp: ["--url", url, "--vocab", "1000", "--max-context", "128K"], "do not fit the server's context"),
+    (lambda url, tmp: ["--url", url, "--vocab", "1000", "--scale", "0.5"], "--scale must be a number of at least 1"),
+    (lambda url, tmp: ["--url", url, "--vocab", "1000", "--sessions", "0"], "--sessions must be at least 1"),
+    (lambda url, tmp: ["--url", url, "--vocab", "1000", "--repeat", "0"], "--repeat must be in [1, 1000]"),
+    (lambda url, tmp: ["--url", url + "/generate", "--vocab", "10"], "without a path"),
+    (lambda url, tmp: ["--url", url], "does not say its vocabulary size"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    with StubServer(apis=("generate",), max_input=2000) as stub:
+        code = main(["load", *args(stub.url, tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("penelope: error: ") and message in err, err
+
+
+def test_a_prompt_longer_than_the_servers_context_is_named(capsys):
+    """The server takes prompts below 2,000 tokens; the first synthetic prompt at scale 4 is 5,152."""
+    with StubServer(max_input=2000) as stub:
+        code = main(["load", "--url", stub.url, "--vocab", "1000", "--scale", "4", "--max-context", "128K"])
+    err = capsys.readouterr().err
+    assert code == 2 and "synthetic session 0 request 0: a prompt of 5,152 tokens" in err and "prompts up to 1,999" in err
+
+
+@pytest.mark.parametrize(("signum", "code", "word"), [(signal.SIGINT, 130, "interrupted"),
+                                                       (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_and_sigterm_keep_the_requests_that_ended(tmp_path, signum, code, word):
+    records = tmp_path / "records.jsonl"
+    with StubServer() as stub:
+        stub.mode, stub.slow_delay = "slow", 0.05
+        process = subprocess.Popen(
+            [sys.executable, "-m", "penelope.cli", "load", "--url", stub.url, "--vocab", "1000", "--scale", "64",
+             "--think-time", "cap:0", "--sessions", "3", "--records", str(records), "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not records.exists() or records.read_text().count("\n") < 4):
+                time.sleep(0.1)
+            process.send_signal(signum)
+            out, err = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == code, err
+    kept = read_records(str(records))
+    ended = [r for r in kept if r.ok]
+    assert len(ended) >= 4 and {r.status for r in kept} <= {"ok", "cut"}
+    assert err.strip().splitlines() == [f"penelope: {word}; wrote the {len(kept)} requests that ended to {records}"]
+    assert "Traceback" not in err and os.path.getsize(records) > 0
