@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from penelope.loadgen.server import ServerSpec, SGLangServer, ServerStartError
+from penelope.loadgen.server import ServerSpec, ServerStartError, SGLangServer
 
 
 def fake_python(tmp_path, body: str):
