@@ -160,7 +160,10 @@ def run(args) -> int:
 
 
 def print_header(target, workload, description: dict, args) -> None:
-    server = target.info
+    server = dict(target.info)
+    if server.get("radix_cache_backend"):
+        # A plugged-in cache (Penelope's) takes its policy from its own config, not this option.
+        server.pop("radix_eviction_policy", None)
     settings = ", ".join(f"{k} {v}" for k, v in server.items() if v not in (None, False)) or "not reported"
     print(f"server: {target.endpoint}, vocab {target.vocab:,}, context "
           + (f"{target.max_total:,}" if target.max_total else "unknown") + f" ({settings})")

@@ -250,17 +250,19 @@ async def replay(http: aiohttp.ClientSession, target: Target, workload: Workload
 
 
 def run_load(target: Target, workload: Workload, space: TokenSpace, config: LoadConfig, *, repeats: int = 1,
-             flush: bool = True, on_record: Callable[[RequestRecord], None] | None = None,
+             first_repeat: int = 0, flush: bool = True, on_record: Callable[[RequestRecord], None] | None = None,
              on_run: Callable[[RunResult], None] | None = None) -> list[RunResult]:
-    """`repeats` runs one after the other, the server's cache flushed before each when `flush`;
-    `on_run` is called after each run. Ctrl-C and SIGTERM: see the module docstring."""
+    """`repeats` runs one after the other, numbered from `first_repeat` (the number is in the
+    session ids sent, so runs of one workload on one server never share a session), the
+    server's cache flushed before each when `flush`; `on_run` is called after each run.
+    Ctrl-C and SIGTERM: see the module docstring."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"--repeat must be at least 1, got {repeats!r}")
 
     async def runs() -> list[RunResult]:
         results = []
         async with client_session(config.read_timeout) as http:
-            for repeat in range(repeats):
+            for repeat in range(first_repeat, first_repeat + repeats):
                 flush_error = await flush_cache(http, target) if flush else None
                 result = await replay(http, target, workload, space, config, repeat=repeat, on_record=on_record)
                 result.flush_error = flush_error

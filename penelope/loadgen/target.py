@@ -160,11 +160,12 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
 
 
 async def probe_request(http: aiohttp.ClientSession, target: Target) -> RequestRecord:
-    """One streamed request of one token (id 0) for one token, recorded."""
+    """One streamed request of one token (id 1) for one token, recorded."""
     record = RequestRecord(repeat=-1, session="probe", session_index=-1, turn=0, turns=1, kind="human",
                            rid="penelope-load-probe", source="probe", sent_at=0.0, scheduled_at=None,
                            think_time=0.0, prompt_tokens=1, max_new_tokens=1)
-    body = request_body(target.api, "0", 1, Sampling(), rid=f"penelope-load-probe-{id(record)}", session_id=None,
+    # Not id 0: SGLang's OpenAI API takes a prompt of zeros for an empty one.
+    body = request_body(target.api, "1", 1, Sampling(), rid=f"penelope-load-probe-{id(record)}", session_id=None,
                         model=target.model)
     try:
         await asyncio.wait_for(stream_request(http, target.endpoint, target.api, body, record, target.cumulative),
