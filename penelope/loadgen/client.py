@@ -180,7 +180,7 @@ async def stream_request(http: aiohttp.ClientSession, url: str, api: str, body: 
             if response.status >= 400:
                 text = await response.text(errors="replace")
                 record.http_status = response.status
-                record.fail("http_error", f"HTTP {response.status}: {_message(text)}")
+                record.fail("http_error", f"HTTP {response.status}: {server_message(text)}")
                 return
             record.http_status = response.status
             pending = b""
@@ -203,7 +203,7 @@ async def stream_request(http: aiohttp.ClientSession, url: str, api: str, body: 
     except aiohttp.ClientError as err:
         # Once the reply has begun, a lost connection is a broken stream.
         status = "broken_stream" if record.http_status is not None else "connection_error"
-        record.fail(status, _message(str(err) or type(err).__name__))
+        record.fail(status, error_text(err))
     _finish(record, reader, start)
     if record.status == "pending":
         if reader.finished:
@@ -228,7 +228,7 @@ def _read_events(reader: _Stream, events: list[bytes], now: float) -> bool:
             try:
                 reader.feed(payload, now)
             except (ValueError, KeyError, TypeError, AttributeError):
-                record.fail("broken_stream", f"a chunk that is not the API's JSON: {_message(payload)}")
+                record.fail("broken_stream", f"a chunk that is not the API's JSON: {server_message(payload)}")
             if record.status != "pending":
                 return True
     return False
@@ -245,7 +245,12 @@ def _finish(record: RequestRecord, reader: _Stream, start: float) -> None:
         record.output_ids = reader.ids
 
 
-def _message(text: str | bytes) -> str:
+def error_text(err: BaseException) -> str:
+    """An exception as one line (its type when it has no message)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def server_message(text: str | bytes) -> str:
     """The server's error message (JSON `message` or `error.message`, else the text), one line."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")

@@ -84,7 +84,7 @@ class RequestRecord:
 
 
 class RecordWriter:
-    """Writes records to a JSONL file, one flushed line each (a file object, or None: nothing)."""
+    """Writes records to the JSONL file `path` (emptied first), one flushed line each; None: nothing."""
 
     def __init__(self, path: str | None):
         self.path = path

@@ -13,9 +13,9 @@ time-scaled), replies or not.
 Bounds: `max_requests` stops sending after that many requests (those in flight finish);
 `duration` stops the run after that many seconds, cutting requests in flight (status `cut`).
 
-The client's own cost is measured in every run: `overhead` on each record (building, encoding,
-parsing), and the event loop's lateness (`loop_lag`: how late a 20 ms timer fires), which would
-show a client too busy to read the server's chunks on time.
+The client's own cost is measured in every run: `overhead` on each record (CPU time of building
+and encoding the prompt and parsing the stream), and the event loop's lateness (`loop_lag`: how
+late a 20 ms timer fires), which would show a client too busy to read the server's chunks on time.
 
 `run_load` runs `repeats` runs one after the other, emptying the server's prefix cache before
 each (SGLang's `/flush_cache`), so every run starts from the same state. Ctrl-C or SIGTERM stops

@@ -34,7 +34,9 @@ from penelope.loadgen.client import (
     PATHS,
     READ_BUFFER,
     Sampling,
+    error_text,
     request_body,
+    server_message,
     stream_request,
 )
 from penelope.loadgen.records import RequestRecord
@@ -134,8 +136,7 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
         model_info = await _get_json(http, url + "/model_info") or {}
         models = await _get_json(http, url + "/v1/models") if api == OPENAI else None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-        raise UsageError(f"cannot reach the server at {url}: {' '.join(str(err).split()) or type(err).__name__}") \
-            from None
+        raise UsageError(f"cannot reach the server at {url}: {error_text(err)}") from None
     listed = (models or {}).get("data") or [{}]
     model = model_info.get("served_model_name") or listed[0].get("id")
     vocab = vocab if vocab is not None else _vocab_of(model_info.get("model_path") or info.get("model_path"))
@@ -211,10 +212,9 @@ async def flush_cache(http: aiohttp.ClientSession, target: Target, wait: float =
                              timeout=aiohttp.ClientTimeout(total=wait + PROBE_TIMEOUT)) as response:
             if response.status == 200:
                 return None
-            text = " ".join((await response.text(errors="replace")).split())
-            return f"/flush_cache answered {response.status}: {text[:200]}"
+            return f"/flush_cache answered {response.status}: {server_message(await response.read())}"
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        return f"/flush_cache failed: {' '.join(str(err).split()) or type(err).__name__}"
+        return f"/flush_cache failed: {error_text(err)}"
 
 
 async def close_session(http: aiohttp.ClientSession, target: Target, session_id: str) -> None:
