@@ -19,6 +19,7 @@ cannot serve it is one line before any traffic. It finds:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,9 +156,8 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
     if not record.ok:
         hint = "" if record.http_status != 404 else f" (no {PATHS[api]} there: another --api?)"
         raise UsageError(f"{target.endpoint}: a one-token request failed: {record.error}{hint}")
-    reports_cache = target.cache_report or record.cached_tokens is not None
-    return Target(**{**target.__dict__, "ids_from_server": record.reply_ids == "server",
-                     "cache_report": reports_cache})
+    return dataclasses.replace(target, ids_from_server=record.reply_ids == "server",
+                               cache_report=target.cache_report or record.cached_tokens is not None)
 
 
 async def probe_request(http: aiohttp.ClientSession, target: Target) -> RequestRecord:
