@@ -6,7 +6,8 @@ import pytest
 from loadgen_stub import StubServer
 
 from penelope.errors import UsageError
-from penelope.loadgen.client import GENERATE, OPENAI, Sampling, request_body, stream_request
+from penelope.loadgen.apis import GENERATE, OPENAI
+from penelope.loadgen.client import Sampling, request_body, stream_request
 from penelope.loadgen.records import RequestRecord
 from penelope.loadgen.target import client_session, probe, probe_server
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from loadgen_stub import StubServer
 
-from penelope.loadgen.client import GENERATE, OPENAI
+from penelope.loadgen.apis import GENERATE, OPENAI
 from penelope.loadgen.runner import DONE, DURATION, MAX_REQUESTS, LoadConfig, check_fits, run_load
 from penelope.loadgen.summary import summarize
 from penelope.loadgen.target import probe_server

@@ -15,7 +15,7 @@ MAX_REPEAT = 1000
 
 
 def add_parser(subparsers) -> None:
-    from penelope.loadgen.client import APIS, GENERATE
+    from penelope.loadgen.apis import APIS, GENERATE
     from penelope.sim.options import add_workload_arguments
 
     parser = subparsers.add_parser(

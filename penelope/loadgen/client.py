@@ -37,11 +37,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from penelope.loadgen.apis import GENERATE, OPENAI
 from penelope.loadgen.records import RequestRecord
 
-GENERATE, OPENAI = "generate", "openai"
-APIS = (GENERATE, OPENAI)
-PATHS = {GENERATE: "/generate", OPENAI: "/v1/completions"}
 # Longest error text kept on a record.
 MAX_ERROR = 300
 # aiohttp splits a stream into lines of at most this many bytes; a cumulative chunk of a long

@@ -28,11 +28,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from penelope.errors import UsageError
+from penelope.loadgen.apis import APIS, GENERATE, OPENAI, PATHS
 from penelope.loadgen.client import (
-    APIS,
-    GENERATE,
-    OPENAI,
-    PATHS,
     READ_BUFFER,
     Sampling,
     error_text,
