@@ -68,6 +68,7 @@ def run(args) -> int:
     from penelope.commands.simulate import progress_bar
     from penelope.commands.simulate_json import write_json
     from penelope.errors import Interrupted, UsageError
+    from penelope.jsonfile import json_ready
     from penelope.loadgen.client import Sampling
     from penelope.loadgen.records import RecordWriter
     from penelope.loadgen.report import counts_line, overhead_line, plot_runs, results_table
@@ -78,7 +79,6 @@ def run(args) -> int:
     from penelope.outputs import check_outputs
     from penelope.sim.fleet_options import check_time_scale, scale_time
     from penelope.sim.options import load_from_args, workload_inputs
-    from penelope.sim.run import json_ready
 
     config = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
                         read_timeout=args.read_timeout, sampling=Sampling(temperature=args.temperature),

@@ -3,7 +3,8 @@ OpenAI-compatible `/v1/completions`, streamed and timed (`penelope load`).
 
 - `tokens.py`: workload requests -> token ids, deterministic per session, the server's replies
   in the history;
-- `apis.py`: the API names and paths; `client.py`: one streamed request, timed (TTFT, ITL, E2E) and read (reply ids, cached tokens);
+- `apis.py`: the API names and paths; `client.py`: one streamed request, timed (TTFT, ITL, E2E)
+  and read (reply ids, cached tokens);
 - `target.py`: what the server is asked before and between runs (context, vocabulary, settings,
   cache flush, session close);
 - `runner.py`: closed-loop and open-loop replay within bounds (`replay`, `run_load`);
