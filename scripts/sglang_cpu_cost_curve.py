@@ -35,10 +35,7 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +47,8 @@ from pathlib import Path
 from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model
 from penelope.engine.scale_model import save_scale_model
-from penelope.errors import UsageError
+from penelope.errors import PenelopeError, UsageError
+from penelope.loadgen.server import CPU_ENV, ServerSpec, SGLangServer, free_port
 from penelope.sim.calibration import fit_calibration
 from penelope.sim.stats import Estimate
 from penelope.tables import format_table
@@ -95,60 +93,28 @@ class Layout:
 
 
 class Server:
-    """``sglang.launch_server`` on 127.0.0.1 in a process group of its own, its output in `log`;
-    stopped (the whole group) on exit, on an error and on Ctrl-C."""
+    """``sglang.launch_server`` on 127.0.0.1 (`penelope.loadgen.server.SGLangServer`: a process
+    group of its own, its output in `log`, the whole group stopped on exit, on an error and on
+    Ctrl-C), and the requests this script times."""
 
     def __init__(self, model: Path, port: int, pool: int, chunk: int, log: Path, attention: str = ATTENTION,
                  start_timeout: float = 900):
-        self.url, self.log_path, self.start_timeout = f"http://127.0.0.1:{port}", log, start_timeout
-        self.command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-                        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-                        "--attention-backend", attention, "--disable-cuda-graph", "--skip-tokenizer-init",
-                        "--page-size", str(PAGE), "--max-total-tokens", str(pool),
-                        "--chunked-prefill-size", str(chunk), "--max-prefill-tokens", str(chunk),
-                        "--max-running-requests", "4", "--sleep-on-idle", "--random-seed", "0",
-                        "--mem-fraction-static", "0.5",
-                        "--radix-cache-backend", "penelope", "--log-level", "warning"]
+        args = ("--device", "cpu", "--dtype", "float32", "--attention-backend", attention, "--disable-cuda-graph",
+                "--skip-tokenizer-init", "--page-size", str(PAGE), "--max-total-tokens", str(pool),
+                "--chunked-prefill-size", str(chunk), "--max-prefill-tokens", str(chunk),
+                "--max-running-requests", "4", "--sleep-on-idle", "--random-seed", "0", "--mem-fraction-static", "0.5",
+                "--radix-cache-backend", "penelope", "--log-level", "warning")
         path = os.pathsep.join(p for p in (str(STUB), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
-                    "OMP_NUM_THREADS": "1"}
-        self.child = None
+        self.server = SGLangServer(ServerSpec(model=str(model), log=log, args=args, port=port,
+                                              env={**CPU_ENV, "PYTHONPATH": path}, startup_timeout=start_timeout))
+        self.url = self.server.url
 
     def __enter__(self) -> Server:
-        self.log = open(self.log_path, "w")
-        self.child = subprocess.Popen(self.command, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            # `with` calls __exit__ only once __enter__ has returned.
-            self.__exit__()
-            raise
+        self.server.start()
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.child.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.child.returncode} while starting; see "
-                                   f"{self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"the server did not answer /health within {self.start_timeout:.0f} s; see {self.log_path}")
-
     def __exit__(self, *exc) -> None:
-        """Stop the whole group (the scheduler and detokenizer too) and wait until it is gone:
-        the next server sizes its pool from the memory this one frees."""
-        if self.child is not None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if _signal_group(self.child.pid, sig) and _group_gone(self.child, 30):
-                    break
-        self.log.close()
+        self.server.stop()
 
     def ttft(self, ids: list[int], timeout: float = 900) -> tuple[float, dict]:
         """Send `ids` (one greedy token, streamed); seconds from sending to the first streamed
@@ -185,35 +151,6 @@ class Server:
 
     def counters(self) -> dict:
         return (self.info().get("internal_states") or [{}])[0]["penelope"]
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send `sig` to the group; False when the group is gone already."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _group_gone(child: subprocess.Popen, seconds: float) -> bool:
-    """Wait up to `seconds` until no process of `child`'s group is left."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        child.poll()
-        try:
-            os.killpg(child.pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on at 127.0.0.1 now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Tokens:
@@ -350,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     if layout is layouts[-1]:
                         prefill = measure_prefill(server, tokens, sorted(args.prefill), args.repeats, say)
                     eviction[layout] = measure_eviction(server, tokens, layout, args.repeats, pool, say)
-    except (UsageError, RuntimeError, OSError) as error:
+    except (PenelopeError, RuntimeError, OSError) as error:
         print(f"penelope: {error}", file=sys.stderr)
         return 2
 

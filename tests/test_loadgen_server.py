@@ -1,14 +1,13 @@
 """The SGLang launcher of the load generator (`penelope.loadgen.server`) with stand-in server
 commands (the real server: `tests/test_loadgen_sglang.py`): a launcher that exits, or never
 answers, is one error naming its log, and its whole process group is gone afterwards."""
-import os
 import stat
 import sys
 import time
 
 import pytest
 
-from penelope.loadgen.server import ServerSpec, ServerStartError, SGLangServer
+from penelope.loadgen.server import ServerSpec, ServerStartError, SGLangServer, group_alive
 
 
 def fake_python(tmp_path, body: str):
@@ -20,23 +19,12 @@ def fake_python(tmp_path, body: str):
 
 
 def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (an orphan's zombie may wait for a reaper)."""
+    """A process that exists and is not a zombie."""
     try:
         state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
     return state != "Z"
-
-
-def group_alive(pgid: int) -> bool:
-    return any(alive(int(p)) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid)
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
 
 
 def test_a_launcher_that_exits_is_one_error_naming_its_log(tmp_path):

@@ -41,6 +41,40 @@ class ServerStartError(PenelopeError):
     """The server exited or did not become ready; the message names its log."""
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running. Zombies do not count: an orphaned
+    child's zombie waits for a reaper this process does not control."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command's closing parenthesis: state, ppid, pgrp, ...
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def group_gone(process: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to `seconds` until no process of `process`'s group is running."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        process.poll()
+        if not group_alive(process.pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -88,7 +122,7 @@ class SGLangServer:
         """Start the server and wait until it is ready; ServerStartError (server stopped) if it
         exits first or is not ready within the start-up timeout."""
         self.spec.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spec.log, "ab") as log:
+        with open(self.spec.log, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env={**os.environ, **self.spec.env},
                                             start_new_session=True)
@@ -127,24 +161,20 @@ class SGLangServer:
 
     def stop(self) -> None:
         """SIGTERM to the process group, SIGKILL to whatever is left after `STOP_TIMEOUT` seconds
-        (SGLang's launcher stops its scheduler and detokenizer processes on SIGTERM)."""
+        (SGLang's launcher stops its scheduler and detokenizer processes on SIGTERM); returns once
+        no process of the group is left, so a server started next sizes its pool from the memory
+        this one freed."""
         process, self.process = self.process, None
         if process is None:
             return
         atexit.unregister(self.stop)
-        group = process.pid
-        try:
-            os.killpg(group, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            if group_gone(process, STOP_TIMEOUT):
+                break
         process.wait()
 
     def __enter__(self) -> SGLangServer:
