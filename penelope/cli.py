@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from penelope.errors import Interrupted, PenelopeError, UsageError
 
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         _say("penelope: terminated")
         return EXIT_TERMINATED
     except KeyboardInterrupt:
+        if _terminated_too():
+            _say("penelope: terminated")
+            return EXIT_TERMINATED
         _say("penelope: interrupted")
         return EXIT_INTERRUPTED
     finally:
@@ -103,7 +107,7 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USAGE
     except Interrupted as err:
         # A command that saved its partial results on Ctrl-C (or SIGTERM) says what it kept.
-        if isinstance(err.__context__, Terminated):
+        if isinstance(err.__context__, Terminated) or _terminated_too():
             _say(f"penelope: {one_line(err).replace('interrupted', 'terminated', 1)}")
             return EXIT_TERMINATED
         _say(f"penelope: {one_line(err)}")
@@ -123,6 +127,20 @@ def _main(argv: list[str] | None) -> int:
     except MemoryError:
         _say("penelope: error: out of memory")
         return EXIT_FAULT
+
+
+def _terminated_too() -> bool:
+    """Whether a SIGTERM is pending beside the Ctrl-C being handled. Python runs the handlers of
+    signals that arrived before it could handle either in signal-number order, SIGINT (2) before
+    SIGTERM (15), whatever the order they were sent in: the termination then wins."""
+    try:
+        # Handlers of pending signals run here.
+        time.sleep(0)
+    except Terminated:
+        return True
+    except KeyboardInterrupt:
+        pass
+    return False
 
 
 def _say(line: str) -> None:

@@ -3,6 +3,8 @@ to sequential ones, zero spread without perturbation, and intervals that narrow 
 
 import dataclasses
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -225,3 +227,34 @@ def test_table_cells_say_no_significant_difference_unless_the_interval_excludes_
     assert f"{RUNS} runs (time-model constants x U[0.95, 1.05], waits x U[0.9, 1.1], seed 0)" in text
     row = next(line for line in text.splitlines() if "TTFT mean" in line and line.startswith("penelope"))
     assert row.split()[-1] == sequential.verdict("penelope", "ttft_mean") or row.endswith(NO_DIFFERENCE)
+
+
+_HELD_TOGETHER = """
+import os, signal, sys
+from penelope.cli import Terminated, _raise_terminated
+from penelope.sim.ensemble import {window}
+signal.signal(signal.SIGTERM, _raise_terminated)
+try:
+    with {window}():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+    for _ in range(1000):
+        pass
+except Terminated:
+    print("terminated")
+except KeyboardInterrupt:
+    print("interrupted")
+else:
+    print("lost")
+"""
+
+
+@pytest.mark.parametrize("window", ["_signals_deferred", "_signals_ignored"])
+def test_a_termination_held_beside_a_ctrl_c_wins(window):
+    """A SIGTERM and a Ctrl-C that arrive while signals are held back or ignored: Python would
+    handle SIGINT first (signal-number order); the run must end as terminated, not lose it."""
+    run = subprocess.run([sys.executable, "-c", _HELD_TOGETHER.format(window=window)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.stdout.strip() == "terminated", run.stderr[-2000:]

@@ -251,16 +251,24 @@ def run_ensembles(
 @contextlib.contextmanager
 def _signals_ignored():
     """Ctrl-C and SIGTERM ignored in this process for a while (a second Ctrl-C must not break
-    the cleanup of the first); a no-op outside the main thread."""
+    the cleanup of the first), but a SIGTERM among them is delivered when the while ends: a
+    service that terminated the run must see it exit as terminated. A no-op outside the main
+    thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    held: list[int] = []
+    # SIGINT is ignored at once; a SIGTERM only noted (if it is still being handled when the while
+    # ends, the restored handler takes it, which is the same delivery).
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -284,7 +292,9 @@ def _signals_deferred():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if held:
-            signal.raise_signal(held[0])
+            # Signals held together are handled in signal-number order, SIGINT first, whatever
+            # order they came in: a termination wins.
+            signal.raise_signal(signal.SIGTERM if signal.SIGTERM in held else held[0])
 
 
 def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
