@@ -40,28 +40,15 @@ def host_tokens(cpu_cache: int, hicache_size_gb: float, hicache_ratio: float | N
     return 0
 
 
-def check_fits(rows: int, bytes_per_token: int, available: int | None = None) -> None:
-    """UsageError (one line) when a host pool of `rows` tokens does not fit the free host memory."""
+def check_fits(need: int, what: str, available: int | None = None) -> None:
+    """UsageError (one line) when `need` bytes of host memory (`what` says for what) exceed the
+    free host memory."""
     import psutil
 
-    need = rows * bytes_per_token
     available = psutil.virtual_memory().available if available is None else available
     if need > available:
-        raise UsageError(f"penelope: the CPU tier needs {need / _GB:.1f} GiB of host memory for {rows} tokens, "
-                         f"only {available / _GB:.1f} GiB are free")
-
-
-def estimated_bytes_per_token(model_path: str, dtype: str, tp_size: int = 1) -> int | None:
-    """K and V bytes per token of a local HF checkpoint at `dtype` ("float32", else 2 bytes), per
-    tensor-parallel rank; None when the model's config cannot be read here."""
-    from penelope.costmodel.shapes import get_model
-
-    try:
-        shape = get_model(model_path)
-    except (UsageError, OSError, ValueError):
-        return None
-    heads = max(shape.num_kv_heads // max(tp_size, 1), 1)
-    return 2 * shape.num_layers * heads * shape.head_dim * (4 if dtype in ("float32", "fp32") else 2)
+        raise UsageError(f"penelope: the CPU tier needs {need / _GB:.1f} GiB of host memory ({what}), only "
+                         f"{available / _GB:.1f} GiB are free")
 
 
 class HostKV:
@@ -73,7 +60,7 @@ class HostKV:
         first = device[0]
         if first.dim() != 3:
             raise UsageError("penelope: the CPU tier needs SGLang's per-token K/V pool layout")
-        check_fits(host_rows, kv_bytes_per_token(kv_pool))
+        check_fits(host_rows * kv_bytes_per_token(kv_pool), f"{host_rows} tokens on this rank")
         pin = first.is_cuda
         host = [torch.zeros((host_rows, *first.shape[1:]), dtype=first.dtype, pin_memory=pin) for _ in device]
         if copy == "auto":
