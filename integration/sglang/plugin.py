@@ -234,13 +234,16 @@ def create_penelope_cache(ctx):
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
     server_args = getattr(ctx, "server_args", None)
+    # The CPU tier's copies are ordered against the stream SGLang's forwards run on.
+    forward_stream = getattr(getattr(getattr(ctx, "tp_worker", None), "model_runner", None), "forward_stream", None)
     try:
         # hicache_size / hicache_ratio as the user gave them (resolution defaults the ratio for HiCache).
         return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
                                   backend=prefill_backend(getattr(ctx, "tp_worker", None), server_args),
                                   hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
                                   hicache_ratio=getattr(server_args, "hicache_ratio", None),
-                                  cost_model=served_cost_model(getattr(ctx, "model_config", None), server_args))
+                                  cost_model=served_cost_model(getattr(ctx, "model_config", None), server_args),
+                                  forward_stream=forward_stream)
     except UsageError as error:
         message = str(error)
         raise UsageError(message if message.startswith("penelope:") else f"penelope: {message}") from None
