@@ -56,12 +56,13 @@ class _ModelConfig:
 
 
 class Serving:
-    """Pools of `size` token slots (page `page_size`), `rows` request rows, and the cache."""
+    """Pools of `size` token slots (page `page_size`), `rows` request rows, and the cache
+    (`forward_stream`: the stream SGLang's forwards run on, for the CPU tier's copies)."""
 
     def __init__(self, size: int, page_size: int = 1, rows: int = 16, max_context: int = 4096,
                  policy: str = "penelope", phantoms: bool = True, block_size: int | None = 64,
                  events: bool = False, cpu_cache: int = 0, swap_buffer: int = 1024, backend: str | None = None,
-                 refill: str = "auto"):
+                 refill: str = "auto", copy: str = "auto", forward_stream=None):
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu",
                                        enable_memory_saver=False)
@@ -76,8 +77,9 @@ class Serving:
                                  token_to_kv_pool_allocator=self.allocator, page_size=page_size,
                                  enable_kv_cache_events=events)
         options = PenelopeOptions(policy=policy, block_size=block_size, cpu_cache=cpu_cache, swap_buffer=swap_buffer,
-                                  refill=refill)
-        self.cache = PenelopeRadixCache(params, options, phantoms=phantoms, backend=backend)
+                                  refill=refill, copy=copy)
+        self.cache = PenelopeRadixCache(params, options, phantoms=phantoms, backend=backend,
+                                        forward_stream=forward_stream)
         self.total = self.allocator.size // page_size * page_size
         self.running: list[Req] = []
         self.rows_held: list[Req] = []

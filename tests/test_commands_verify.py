@@ -11,6 +11,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -260,3 +261,90 @@ def test_verify_without_torch_is_one_line():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr == "penelope: error: verify runs a model and needs torch: pip install 'penelope-kv[torch]'\n"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _EnginesWouldStart(Exception):
+    """Raised in place of starting SGLang's Engines: the test only looks at what they would get."""
+
+
+def _sglang_check_spec(argv, monkeypatch):
+    """The EngineCheck `penelope verify --engine sglang ...` would hand to the Engines."""
+    import penelope.integration.sglang.verify as engine_verify
+
+    seen = {}
+
+    def check(model, spec, progress=None):
+        seen["spec"] = spec
+        raise _EnginesWouldStart
+
+    monkeypatch.setattr(engine_verify, "check", check)
+    with pytest.raises(_EnginesWouldStart):
+        main(["verify", "--engine", "sglang", *argv])
+    return seen["spec"]
+
+
+@pytest.mark.parametrize(("argv", "dtype", "atol"), [
+    (["--device", "cuda"], "bfloat16", 0.1),
+    (["--device", "cuda", "--atol", "0.02"], "bfloat16", 0.02),
+    (["--device", "cuda", "--engine-arg", 'dtype="float32"'], "float32", 1e-3),
+    (["--device", "cuda", "--engine-arg", 'dtype="half"'], "float16", 0.05),
+])
+def test_verify_on_cuda_defaults_to_bf16_with_its_tolerance(argv, dtype, atol, monkeypatch):
+    """FA3 and trtllm_mha have no fp32 kernels and the ragged kernel needs 16-bit inputs for
+    tensor cores: on CUDA the Engines get bf16 unless --engine-arg dtype says otherwise."""
+    spec = _sglang_check_spec(argv, monkeypatch)
+    assert (spec.setup.dtype, spec.atol, spec.setup.device) == (dtype, atol, "cuda")
+    assert "dtype" not in spec.setup.extra
+    assert spec.setup.engine_args("model")["dtype"] == dtype
+
+
+def test_verify_on_cpu_keeps_fp32(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "engine_stub"))  # the tests' sgl_kernel stand-in
+    spec = _sglang_check_spec(["--device", "cpu"], monkeypatch)
+    assert (spec.setup.dtype, spec.atol) == ("float32", 1e-3)
+
+
+def test_the_gpu_smoke_script_runs_the_projects_venv_over_every_configuration(tmp_path):
+    """``smoke_gpu.sh --dry-run`` prints its commands (it has not run on a GPU here): the venv's
+    python, bf16 on CUDA, riders (chunk 4096) on FA3 (SGLang's default on Hopper), trtllm_mha and
+    Triton, with and without deterministic inference, the hole-first chunks, the CPU tier and
+    SGLang's Triton kernel; every command passes the CLI's own option checks."""
+    import shlex
+
+    from penelope.cli import build_parser
+    from penelope.commands.verify_sglang import (
+        check_engine_arg_keys,
+        check_sglang_options,
+        engine_args,
+        engine_precision,
+    )
+
+    venv = tmp_path / "venv"
+    run = subprocess.run(["bash", "integration/sglang/smoke_gpu.sh", "--dry-run", str(tmp_path / "out")],
+                         cwd=ROOT, env={**os.environ, "PENELOPE_VENV": str(venv)}, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    commands = dict(line.split(": ", 1) for line in run.stdout.strip().splitlines())
+    assert list(commands) == ["fa3-chunk256-det", "fa3-riders-det", "fa3-riders", "fa3-two-tiers", "trtllm-riders",
+                              "triton-riders-det", "triton-riders", "triton-sglang-det"]
+    configs = {}
+    for name, command in commands.items():
+        words = shlex.split(command)
+        at = words.index(f"{venv}/bin/python")
+        assert words[at + 1:at + 3] == ["-m", "penelope.cli"]
+        args = build_parser().parse_args(words[at + 3:])
+        check_sglang_options(args)
+        extra = engine_args(args.engine_arg)
+        check_engine_arg_keys(extra)
+        assert engine_precision(args.device, extra, args.atol)[0] == "bfloat16"
+        configs[name] = (extra.get("attention_backend"), args.chunk, bool(extra.get("enable_deterministic_inference")),
+                         args.cpu_cache, words[at - 3])
+    riders = {(backend, det) for backend, chunk, det, cpu, _ in configs.values() if chunk == 4096}
+    assert {(None, True), (None, False), ("trtllm_mha", False), ("triton", True), ("triton", False)} <= riders
+    assert configs["fa3-chunk256-det"][1] == 256 and configs["fa3-two-tiers"][3] > 0
+    assert configs["triton-sglang-det"][4] == "PENELOPE_ATTENTION=sglang"
+    assert {attention for *_, attention in configs.values()} == {"PENELOPE_ATTENTION=ragged",
+                                                                 "PENELOPE_ATTENTION=sglang"}

@@ -122,3 +122,53 @@ def test_factory_refuses_encoder_decoder_models():
     runner = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=True))
     with pytest.raises(ValueError, match="Cross attention"):
         create_penelope_triton_backend(runner)
+
+
+def test_phantom_batches_keep_the_ragged_kernel_under_a_prefill_cuda_graph(monkeypatch):
+    """Prefill CUDA graphs (on by default on CUDA) pad the batch to a bucket, rebuild its
+    ForwardBatch field by field (``PrefillCudaGraphRunner.load_batch``) and run attention eagerly
+    against the rebuilt one, real rows only (``RadixAttention._eager_attention``). The hook around
+    load_batch carries the segments over: SGLang's eager-attention path, run here with a padded
+    batch, goes through the ragged kernel (SGLang's Triton kernel is made to fail) and gives the
+    rows the unpadded batch gives."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+
+    serving, batch = phantom_batch()
+    pool = MHATokenToKVPool(size=64 * 40, page_size=1, dtype=torch.float32, head_num=KV_HEADS, head_dim=DIM,
+                            layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    gen = torch.Generator().manual_seed(1)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=gen))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=gen))
+    tokens, padding = sum(batch.extend_lens), 37
+    q = torch.randn(tokens + padding, HEADS * DIM, generator=gen)
+    k = torch.randn(tokens + padding, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(tokens + padding, KV_HEADS, DIM, generator=gen)
+    segments = hooks.extend_segments(batch.reqs, batch.prefix_lens, batch.extend_lens, "cpu")
+    served = SimpleNamespace(out_cache_loc=batch.out_cache_loc, out_cache_loc_is_physical=False, positions=None,
+                             mha_one_shot=False, **{hooks.SEGMENTS: segments})
+    cached = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
+    want = backend(serving, pool).forward_extend(q[:tokens], k[:tokens], v[:tokens], layer(), served)
+    pool.k_buffer[0].copy_(cached[0])
+    pool.v_buffer[0].copy_(cached[1])
+
+    def load_batch(runner, forward_batch):
+        # What load_batch returns: a new batch of the padded bucket, built from named fields only.
+        padded = torch.cat([forward_batch.out_cache_loc, torch.zeros(padding, dtype=torch.int64)])
+        static = SimpleNamespace(forward_mode=ForwardMode.EXTEND, global_num_token_non_padded_cpu=tokens,
+                                 mha_return_lse=False, out_cache_loc=padded, out_cache_loc_is_physical=False,
+                                 positions=None, _attn_output=None, mha_one_shot=False)
+        return static, None
+
+    static, _ = hooks._keep_segments(load_batch, None, served)
+    monkeypatch.setattr(TritonAttnBackend, "forward_extend", lambda *a, **kw: pytest.fail("SGLang's kernel ran"))
+    attention = RadixAttention(HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0)
+    output = torch.full((tokens + padding, HEADS * DIM), float("nan"))
+    before = hooks.COUNTERS["ragged_batches"]
+    with set_forward_batch(static), forward_context(ForwardContext(attn_backend=backend(serving, pool))):
+        attention._eager_attention(q, k, v, output)
+    assert hooks.COUNTERS["ragged_batches"] == before + 1
+    assert torch.equal(output[:tokens], want)
+    assert torch.equal(pool.k_buffer[0][batch.out_cache_loc], k[:tokens])

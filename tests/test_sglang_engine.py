@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from model_configs import UNSERVABLE_MODELS, config_folder
 
 from penelope.integration.sglang.engine_check import AgentTraffic, EngineSetup
 from penelope.integration.sglang.script_traffic import ScriptTraffic
@@ -351,4 +352,20 @@ def test_a_bad_configuration_stops_the_server_with_one_line(model, args, env, me
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in run.stderr and "died" not in run.stderr
+
+
+@pytest.mark.parametrize("name", ["swa", "mamba"])
+def test_a_model_the_cache_cannot_serve_stops_the_server_before_anything_loads(tmp_path, name):
+    """``python -m sglang.launch_server`` on a folder holding only a config.json (no weights, no
+    tokenizer), so a refusal after the model began to load could not be this one line."""
+    config, flags, kind = UNSERVABLE_MODELS[name]
+    folder = config_folder(tmp_path / name, config)
+    run = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", folder, "--device", "cpu",
+                          "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", "31556",
+                          "--radix-cache-backend", "penelope", *flags],
+                         env={**os.environ, **engine_env(SGLANG_USE_CPU_ENGINE="1")}, capture_output=True, text=True,
+                         timeout=600, start_new_session=True)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == f"penelope: --radix-cache-backend penelope does not support {kind}"
     assert "Traceback" not in run.stderr and "died" not in run.stderr

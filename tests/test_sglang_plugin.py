@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from model_configs import QWEN3_8B, UNSERVABLE_MODELS, config_folder
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang_env import Serving, sglang_config
 
@@ -116,6 +117,7 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 import sys
 sys.path.insert(0, "tests")
+from model_configs import QWEN3_8B, UNSERVABLE_MODELS, config_folder
 from sglang_env import Serving, sglang_config
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -200,3 +202,96 @@ def test_plugin_loads_through_sglang_load_plugins(tmp_path):
     # (new, hit, replayed) tokens of the step and the request's cached_tokens: the hole is computed.
     assert report["tokens"] == [1 + 128, 512 - 128, 0, 512 - 128]
     assert report["members"] == [[128, 256], [512, 513]] and report["after_filter"] == 1
+
+
+
+def _resolved_server_args(model: str, **flags):
+    """SGLang's ServerArgs record, resolved as ``launch_server`` and ``Engine`` resolve it."""
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=model, device="cpu", attention_backend="torch_native",
+                             skip_tokenizer_init=True, radix_cache_backend="penelope", **flags)
+    server_args.resolve_once()
+    return server_args
+
+
+def _start_up_check(server_args) -> None:
+    """The start-up check as SGLang runs it: the plugin's hook around ServerArgs.check_server_args."""
+    from penelope.integration.sglang.plugin import _check_server_args
+
+    _check_server_args(type(server_args).check_server_args, server_args)
+
+
+def test_the_start_up_check_reads_the_page_size_sglang_resolved(tmp_path):
+    """A backend that needs pages of 64 (trtllm_mha, FA4, ...) declares page_size during
+    resolution and leaves the raw field None; a block of 96 tokens is refused at start-up, not in
+    the scheduler after the weights loaded."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    model = config_folder(tmp_path / "Qwen3-8B", QWEN3_8B)
+    server_args = _resolved_server_args(model, radix_eviction_policy_config={"block_size": 96})
+    _start_up_check(server_args)  # page 1 after resolution on CPU: 96 holds whole pages
+    declare_resolution(server_args, "a backend's page-size rule", page_size=64)
+    assert server_args.page_size is None
+    with pytest.raises(UsageError, match="^penelope: block_size 96 is not a multiple of SGLang's page size 64$"):
+        _start_up_check(server_args)
+
+
+@pytest.mark.parametrize(("config", "kind"), [
+    *[(config, kind) for config, _, kind in UNSERVABLE_MODELS.values()],
+    (QWEN3_8B, None),
+])
+def test_models_the_cache_cannot_serve_are_named_from_sglangs_model_config(tmp_path, config, kind):
+    """SGLang's ModelConfig (what the launching process reads before any weights) decides, with
+    the tests SGLang's cache factory makes. The launch itself: tests/test_sglang_engine.py."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from penelope.integration.sglang.startup import unsupported_model
+
+    assert unsupported_model(ModelConfig(model_path=config_folder(tmp_path / "m", config))) == kind
+
+
+def test_the_host_memory_check_counts_every_rank_of_the_node(tmp_path):
+    """Eight TP ranks each build a CPU tier: a tier a quarter of the free memory fits once, not
+    eight times, and is refused at start-up. Sized from SGLang's ModelConfig: Qwen3-8B at bf16,
+    one of its 8 KV heads per rank."""
+    import psutil
+
+    from penelope.integration.sglang.startup import kv_bytes_per_token, served_model_config
+
+    model = config_folder(tmp_path / "Qwen3-8B", QWEN3_8B)
+    per_rank = 36 * 1 * (128 + 128) * 2
+    free = psutil.virtual_memory().available
+
+    def server(tokens: int):
+        return _resolved_server_args(model, tp_size=8, radix_eviction_policy_config={"cpu_cache": tokens})
+
+    small = server(free // 16 // per_rank)
+    assert kv_bytes_per_token(served_model_config(small), "auto", 8) == per_rank
+    _start_up_check(small)  # 8 x a sixteenth
+    tokens = free // 4 // per_rank
+    with pytest.raises(UsageError, match=r"^penelope: the CPU tier needs .* GiB of host memory \(8 ranks x "
+                                         rf"{tokens + 1024:,} tokens x {per_rank:,} bytes\), only"):
+        _start_up_check(server(tokens))
+
+
+def test_a_hub_model_id_gets_its_cost_model_from_the_config_sglang_loaded(tmp_path, caplog):
+    """``--model-path Qwen/Qwen3-8B``: no folder of that name here, but SGLang's ModelConfig holds
+    the config it fetched; the cost model is Qwen3-8B's, and the log says so."""
+    import logging
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from penelope.costmodel.recompute import CostModel
+    from penelope.costmodel.shapes import get_model
+
+    model_config = ModelConfig(model_path=config_folder(tmp_path / "Qwen3-8B", QWEN3_8B))
+    with sglang_config(), caplog.at_level(logging.INFO, logger="penelope.integration.sglang.plugin"):
+        serving = Serving(size=64 * 8)
+        cache = create_penelope_cache(_context(serving, {"policy": "penelope-agent"}, model_config=model_config,
+                                               server_args=SimpleNamespace(model_path="Qwen/Qwen3-8B")))
+    reference = CostModel(get_model("qwen3-8b"))
+    assert cache.cost_model is not None and cache.stats()["cost_model"] == "Qwen3-8B"
+    assert [cache.cost_model.span_cost(s, s + 64) for s in (0, 4096, 30000)] == [
+        reference.span_cost(s, s + 64) for s in (0, 4096, 30000)]
+    assert "penelope: cost model Qwen3-8B (36 layers, hidden 4096)" in caplog.text

@@ -13,11 +13,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang_env import Serving, blocks, sglang_config
 
 from penelope.cache.tiers import TwoTierCache
 from penelope.cache.tree import BlockState
+from penelope.kernels.kv_swap import RecordingStreams
 
 
 @pytest.fixture(autouse=True)
@@ -129,3 +131,69 @@ def test_every_transition_happens_and_kv_follows_its_block():
     counters = serving.cache.cache.counters
     assert counters.swap_loads > 0 and counters.deleted_cpu_tokens > 0
     np.testing.assert_equal(serving.req_pool.available_size(), 16)
+
+
+@pytest.mark.parametrize("copy", ["triton", "naive"])
+def test_every_tier_copy_is_ordered_against_the_forwards_that_touch_its_slots(copy):
+    """SGLang's overlap scheduler issues the tier's copies from its scheduling stream while the
+    previous forward may still run on the forward stream. With recording streams (every record,
+    wait, copy and forward, in issue order), each copy happens after every earlier forward that
+    read or wrote one of its GPU slots (it demotes KV that forward wrote, or loads into slots that
+    forward still read), and every later forward that touches one of them happens after it (it
+    reads what was loaded, or writes slots a demotion emptied)."""
+    forward_stream = torch.cpu.Stream()  # what SGLang's model runner holds as forward_stream on CPU
+    serving = Serving(size=64 * 16, page_size=64, cpu_cache=64 * 16, copy=copy, forward_stream=forward_stream)
+    streams = RecordingStreams()
+    serving.cache.host_kv.executor.streams = streams
+    touched: dict[int, set[int]] = {}
+    compute = serving.forward
+
+    def forward(batch):
+        compute(batch)
+        table = serving.req_pool.req_to_token
+        slots = set(batch.out_cache_loc.tolist())
+        for req, prefix, length in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
+            slots |= set(table[req.kv.req_pool_idx, :prefix + length].tolist())
+        touched[streams.compute("forward", forward_stream)] = slots
+
+    serving.forward = forward
+    a, b, c = history(10_000, 10), history(20_000, 10), history(30_000, 10)
+    for tokens in (a, b, a, c, b):
+        assert serving.prefill([tokens + [1]])
+        check(serving)
+    before = streams.happens_before()
+    copies = [(i, op.copy) for i, op in enumerate(streams.ops) if op.kind == "copy"]
+    assert {record.kind for _, record in copies} == {"d2h", "h2d"}
+    pairs = 0
+    for i, record in copies:
+        gpu = set((record.src_slots if record.kind == "d2h" else record.dst_slots).tolist())
+        for f, slots in touched.items():
+            if slots & gpu:
+                pairs += 1
+                assert before[f, i] if f < i else before[i, f], (f, i, record.kind)
+    assert pairs > len(copies)
+
+
+def test_the_cpu_tier_is_one_host_allocation_of_the_size_the_start_up_checked(caplog):
+    """Per-layer buffers are slices of one allocation of exactly rows x the device pool's bytes per
+    token, the figure the start-up check compared with free memory and the log line shows (torch's
+    pinned allocator would have rounded each buffer up to a power of two)."""
+    import logging
+
+    from penelope.integration.sglang.host_tier import host_buffers, kv_bytes_per_token
+
+    with caplog.at_level(logging.INFO, logger="penelope.integration.sglang.host_tier"):
+        serving = Serving(size=64 * 16, page_size=64, cpu_cache=64 * 16 + 64 * 3)
+    host = serving.cache.host_kv.host
+    rows = serving.cache.cache.host_rows
+    storage = host[0].untyped_storage()
+    assert all(buffer.untyped_storage().data_ptr() == storage.data_ptr() for buffer in host)
+    assert storage.nbytes() == rows * kv_bytes_per_token(serving.kv_pool) == sum(b.nbytes for b in host)
+    assert f"penelope: CPU tier of {rows:,} rows (swap buffer included): {rows * 16 / 1024:.1f} KiB of host " \
+           "memory (not pinned: no GPU)" in caplog.text
+    # What a GPU machine pins: each buffer once, together exactly the one allocation.
+    registered = []
+    buffers = host_buffers(6, 1000, (2, 8), torch.bfloat16, register=registered.append)
+    assert [b.data_ptr() for b in registered] == [b.data_ptr() for b in buffers]
+    assert [b.data_ptr() - buffers[0].data_ptr() for b in buffers] == [i * 1000 * 2 * 8 * 2 for i in range(6)]
+    assert buffers[0].untyped_storage().nbytes() == sum(b.nbytes for b in registered) == 6 * 1000 * 2 * 8 * 2

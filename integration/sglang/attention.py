@@ -10,7 +10,9 @@ slots, query tiles) is planned by the batch's first such layer and reused by the
 other batch or layer (decode, no phantoms, MLA, sliding window, logit cap, sinks, custom masks,
 quantized or paged-layout KV, context parallelism) goes to ``TritonAttnBackend`` unchanged.
 Phantoms are correct with the stock path too; the ragged kernel saves the work that causality
-makes unnecessary.
+makes unnecessary. Under a prefill CUDA graph (SGLang's default on CUDA) attention runs eagerly
+between the captured segments against the batch the graph runner rebuilt; the hooks keep the
+segments on it, so phantom batches take this path there too.
 
 No layer waits for the GPU: the segments should be a HOST tensor (int32 ``[N, 4]`` on the CPU,
 what ``hooks.extend_segments(..., device="cpu")`` builds), so planning reads them without a sync;
@@ -32,7 +34,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from penelope.kernels.ragged_attention import plan_ragged_prefill, ragged_prefill_attention, warm_up_ragged_attention
 
-from .hooks import SEGMENTS
+from .hooks import COUNTERS, SEGMENTS
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,6 +104,7 @@ class PenelopeTritonAttnBackend(TritonAttnBackend):
                 # The previous batch's slot check, if it has finished (never blocks): raises if a slot
                 # was outside the pool (that batch attended nothing and produced NaN).
                 plan.poll()
+            COUNTERS["ragged_batches"] += 1
             plan = self.ragged_plan = plan_ragged_prefill(
                 req_to_token, segments, num_tokens=queries.shape[0], num_slots=k_buffer.shape[0],
                 num_q_heads=heads, num_kv_heads=k_buffer.shape[1], head_dim=head_dim, dtype=q.dtype,

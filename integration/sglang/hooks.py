@@ -26,6 +26,8 @@ span), admission decides how they are refilled (``penelope.cache.refill``, ``pla
 | ``ScheduleBatch.prepare_for_extend``                    | riders' slots handed to the tree and linked |
 |                                                         | into the request's row                      |
 | ``ForwardBatch.init_new``                               | ``penelope_segments`` for the attention     |
+| ``PrefillCudaGraphRunner.load_batch``                   | the segments kept on the batch it rebuilds  |
+|                                                         | for a prefill CUDA graph replay             |
 | ``SchedulerBatchResultProcessor.process_batch_result_prefill`` | riders' rows freed; prefill tokens   |
 |                                                         | counted                                     |
 | ``SchedulerInternalStateController.get_internal_state`` | ``penelope`` counters in get_server_info    |
@@ -63,13 +65,16 @@ _RIDER_ROWS = "penelope_rider_rows"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _FORWARD = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_PREFILL_GRAPH = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
 # Per scheduler process: tokens of every prefill batch (riders included) and of riders alone.
 # `prefill_positions` sums the positions of those tokens: the attention query-key pairs they cost,
 # per layer and head.
-COUNTERS = {"prefill_tokens": 0, "prefill_positions": 0, "prefill_batches": 0, "phantom_tokens": 0, "phantoms": 0}
+# `ragged_batches`: phantom batches the ragged kernel of ``attention.py`` ran.
+COUNTERS = {"prefill_tokens": 0, "prefill_positions": 0, "prefill_batches": 0, "phantom_tokens": 0, "phantoms": 0,
+            "ragged_batches": 0}
 
 
 class PhantomFinished(BaseFinishReason):
@@ -259,6 +264,16 @@ def _attach_segments(original, cls, batch, model_runner, **kwargs):
     return forward_batch
 
 
+def _keep_segments(original, runner, forward_batch, **kwargs):
+    static_batch, read_ends = original(runner, forward_batch, **kwargs)
+    # A prefill CUDA graph replay rebuilds the ForwardBatch field by field, and attention runs
+    # eagerly (between captured segments) against the rebuilt one: the segments must come along,
+    # or phantom batches would leave the ragged kernel whenever a graph runs them. Set even when
+    # None, so a rebuilt batch never carries another batch's segments.
+    setattr(static_batch, SEGMENTS, getattr(forward_batch, SEGMENTS, None))
+    return static_batch, read_ends
+
+
 def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device="cpu") -> torch.Tensor:
     """int32 [len(reqs), 4] rows (req_row, q_start, pos_start, length) of an extend batch, on `device`."""
     rows, start = [], 0
@@ -312,6 +327,7 @@ HOOKS = {
     f"{_BATCH}.init_new": _add_phantoms,
     f"{_BATCH}.prepare_for_extend": _link_rows,
     f"{_FORWARD}.init_new": _attach_segments,
+    f"{_PREFILL_GRAPH}.load_batch": _keep_segments,
     f"{_RESULTS}.process_batch_result_prefill": _process_prefill,
     f"{_STATE}.get_internal_state": _report_counters,
 }

@@ -37,7 +37,7 @@ from pathlib import Path
 from penelope.cache.policy import get_policy, policy_names
 from penelope.errors import UsageError
 
-from .backends import REFILL_MODES, prefill_backend, riders_allowed
+from .backends import REFILL_MODES, prefill_backend
 
 logger = logging.getLogger(__name__)
 
@@ -199,59 +199,10 @@ def register() -> None:
         register_attention_backend("triton")(create_penelope_triton_backend)
 
 
-def check_server_args(server_args) -> None:
-    """Raise UsageError (one line) for a Penelope configuration the scheduler process would only
-    trip over later: options from ``--radix-eviction-policy-config`` and the environment, a block
-    that does not hold whole pages, features the backend does not support."""
-    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
-        return
-    options = options_from(server_args.radix_eviction_policy_config)
-    for flag, on in (("--enable-hierarchical-cache", server_args.enable_hierarchical_cache),
-                     ("--disable-radix-cache", server_args.disable_radix_cache),
-                     ("speculative decoding", server_args.speculative_algorithm is not None),
-                     ("--enable-streaming-session", getattr(server_args, "enable_streaming_session", False)),
-                     ("--enable-session-radix-cache", getattr(server_args, "enable_session_radix_cache", False)),
-                     ("pipeline parallelism", (getattr(server_args, "pp_size", 1) or 1) > 1),
-                     ("PD disaggregation", getattr(server_args, "disaggregation_mode", "null") not in (None, "null"))):
-        if on:
-            raise UsageError(f"penelope: --radix-cache-backend penelope does not support {flag}")
-    policy = getattr(server_args, "radix_eviction_policy", "lru")
-    if policy not in (None, "lru"):
-        raise UsageError(f"penelope: --radix-eviction-policy {policy} applies to SGLang's own radix cache; choose "
-                         "Penelope's policy with --radix-eviction-policy-config '{\"policy\": ...}'")
-    page = server_args.page_size or 1
-    block = options.resolved_block_size(page)
-    pool = getattr(server_args, "max_total_tokens", None)
-    if pool and block > pool:
-        raise UsageError(f"penelope: block_size {block} is larger than the KV pool (--max-total-tokens {pool})")
-    if options.phantoms and options.refill == "riders":
-        # Only a backend named on the command line is known here; the scheduler checks the one
-        # its model runner resolved (create_penelope_cache).
-        backend = prefill_backend(server_args=server_args)
-        if backend is not None:
-            riders_allowed(options.refill, backend)
-    _check_host_memory(options, server_args)
-
-
-def _check_host_memory(options: PenelopeOptions, server_args) -> None:
-    """The CPU tier (``cpu_cache`` tokens or ``--hicache-size`` GB) must fit the free host memory;
-    checked here from the model's config when it is a local checkpoint (the scheduler checks the
-    exact size again when it builds the pool)."""
-    from .host_tier import check_fits, estimated_bytes_per_token
-
-    size_gb = getattr(server_args, "hicache_size", 0) or 0
-    if not options.cpu_cache and size_gb <= 0:
-        return
-    if size_gb > 0 and not options.cpu_cache:
-        check_fits(1, int(size_gb * (1 << 30)))
-        return
-    per_token = estimated_bytes_per_token(str(server_args.model_path), str(server_args.dtype),
-                                          getattr(server_args, "tp_size", 1) or 1)
-    if per_token:
-        check_fits(options.cpu_cache + options.swap_buffer, per_token)
-
-
 def _check_server_args(original, server_args, *args, **kwargs):
+    # After SGLang's own check, on the resolved arguments (``startup.py``).
+    from .startup import check_server_args
+
     result = original(server_args, *args, **kwargs)
     try:
         check_server_args(server_args)
@@ -283,29 +234,43 @@ def create_penelope_cache(ctx):
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
     server_args = getattr(ctx, "server_args", None)
+    # The CPU tier's copies are ordered against the stream SGLang's forwards run on.
+    forward_stream = getattr(getattr(getattr(ctx, "tp_worker", None), "model_runner", None), "forward_stream", None)
     try:
+        # hicache_size / hicache_ratio as the user gave them (resolution defaults the ratio for HiCache).
         return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,
                                   backend=prefill_backend(getattr(ctx, "tp_worker", None), server_args),
                                   hicache_size_gb=getattr(server_args, "hicache_size", 0) or 0,
                                   hicache_ratio=getattr(server_args, "hicache_ratio", None),
-                                  cost_model=served_cost_model(server_args))
+                                  cost_model=served_cost_model(getattr(ctx, "model_config", None), server_args),
+                                  forward_stream=forward_stream)
     except UsageError as error:
         message = str(error)
         raise UsageError(message if message.startswith("penelope:") else f"penelope: {message}") from None
 
 
-def served_cost_model(server_args):
-    """The recompute cost model of the served checkpoint (its config.json), which the cost-aware
-    policies weigh blocks by; None (every token costs the same) when it cannot be read, logged."""
+def served_cost_model(model_config, server_args=None):
+    """The recompute cost model of the served model, which the cost-aware policies weigh blocks by:
+    from the HF config SGLang loaded (`model_config.hf_config`, whatever `--model-path` named: a
+    folder or a hub id), else from the config.json at `server_args.model_path`; None (every token
+    costs the same) when neither can be read. Logs which one is used."""
     from penelope.costmodel.recompute import CostModel
-    from penelope.costmodel.shapes import get_model
+    from penelope.costmodel.shapes import get_model, shape_from_config
 
-    path = getattr(server_args, "model_path", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    path = str(getattr(model_config, "model_path", None) or getattr(server_args, "model_path", None))
+    name = Path(path).name or path
     try:
-        return CostModel(get_model(str(path)))
+        if hf_config is not None:
+            shape = shape_from_config(hf_config.to_dict(), name=name, where=f"the config of {path}")
+        else:
+            shape = get_model(path)
     except (UsageError, OSError, ValueError) as error:
         logger.warning("penelope: no cost model for %s (%s); the policies weigh every token the same", path, error)
         return None
+    logger.info("penelope: cost model %s (%d layers, hidden %d) from the served model's config", shape.name,
+                shape.num_layers, shape.hidden_size)
+    return CostModel(shape)
 
 
 def _positive(value, name: str) -> None:

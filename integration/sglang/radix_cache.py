@@ -81,7 +81,9 @@ class PenelopeRadixCache(BasePrefixCache):
     `options`: block size, policy (default: from the environment only); `phantoms`: report holes
     for phantoms to refill (True only where the hooks of ``hooks.py`` are applied); `backend`:
     the prefill attention backend (default: the one this process's SGLang configuration names),
-    which decides whether phantoms may ride in their request's batch (``backends.py``).
+    which decides whether phantoms may ride in their request's batch (``backends.py``);
+    `forward_stream`: the stream SGLang's forwards run on, which the CPU tier's copies are ordered
+    against (``host_tier.HostKV``).
     """
 
     # No SGLang sliding window: the scheduler's budget code reads this attribute.
@@ -89,7 +91,7 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def __init__(self, params: CacheInitParams, options: PenelopeOptions | None = None,
                  phantoms: bool | None = None, hicache_size_gb: float = 0, hicache_ratio: float | None = None,
-                 cost_model=None, backend: str | None = None):
+                 cost_model=None, backend: str | None = None, forward_stream=None):
         options = options if options is not None else PenelopeOptions()
         if params.is_eagle:
             raise UsageError("penelope: EAGLE speculative decoding (bigram keys) is not supported")
@@ -99,6 +101,7 @@ class PenelopeRadixCache(BasePrefixCache):
         self.page_size = params.page_size
         self.options = options
         self.cost_model = cost_model
+        self.forward_stream = forward_stream
         self.phantoms = options.phantoms if phantoms is None else phantoms
         self.block_size = options.resolved_block_size(self.page_size)
         # Riders only where the backend stores a batch's K/V before reading its prefix; holes are
@@ -136,7 +139,7 @@ class PenelopeRadixCache(BasePrefixCache):
                                       allocator=self.slots, cost_model=self.cost_model, track_recompute=False)
             if self.host_kv is None:
                 self.host_kv = HostKV(self.token_to_kv_pool_allocator.get_kvcache(), self.cache.host_rows,
-                                      self.options.copy)
+                                      self.options.copy, fence=self.forward_stream)
         else:
             self.cache = KVCache(self.slots.capacity, block_size=self.block_size, policy=self.options.policy,
                                  allocator=self.slots, cost_model=self.cost_model, track_recompute=False)

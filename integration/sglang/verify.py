@@ -168,6 +168,7 @@ def check(model: str, spec: EngineCheck, timeout: float = 900, progress=None) ->
             "recomputed_cost": tokens * c_lin + positions if c_lin is not None else None,
             "phantom_tokens": counters.get("phantom_tokens"),
             "chunk_refill_tokens": counters.get("chunk_refill_tokens"),
+            "ragged_batches": counters.get("ragged_batches"),
             "duplicate_tokens": counters.get("duplicate_tokens"),
             "tiers": {name[5:]: value for name, value in counters.items() if name.startswith("tier_")},
             "evicted_tokens": counters.get("evicted_tokens"), "start_s": round(run["start_s"], 1),

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ import torch
 from .kernel import check_pools, launch_device
 from .naive import naive_copy_unchecked
 from .schedule import MIN_RUN, SwapHandle, issue_exchange, layer_groups
-from .streams import CudaStreams, HostStreams, Streams
+from .streams import CopyRecord, CudaStreams, HostStreams, Streams
 
 D2H = "d2h"
 H2D = "h2d"
@@ -175,15 +176,18 @@ def run_exchange(
         copy: ``"triton"`` (``schedule.issue_exchange``: side streams ordered by events, layer by
             layer, contiguous runs of at least ``min_run`` rows by the copy engines, the rest by the
             slot-copy kernel; ``min_run=None``: the kernel only) or ``"naive"`` (torch indexed copies
-            on the current stream, in list order).
+            on the current stream, in list order; through ``streams`` when one is given, after
+            ``after``).
         num_layers: layers of the pools (default ``len(gpu_pool) // 2``): the unit of ``wait_layer``.
-        streams: the stream model (default: CUDA streams for GPU pools, ``HostStreams`` otherwise).
+        streams: the stream model (``"triton"`` default: CUDA streams for GPU pools, ``HostStreams``
+            otherwise; ``"naive"`` default: none, the copies run directly on the current stream).
         wait: make the current stream wait for every copy before returning (an event wait, not a
             barrier); False leaves that to the returned handle (``wait_layer`` / ``wait_all``).
         after: events the copies wait for besides the current stream's work (with ``wait=False``,
             pass the previous exchange's ``handle.last`` so that exchanges stay ordered).
 
-    Returns the ``SwapHandle`` of the ``"triton"`` schedule (None for ``"naive"`` or an empty plan).
+    Returns the ``SwapHandle`` whose events later work waits on (None for an empty plan or for
+    ``"naive"`` without a stream model).
     Raises ``ValueError`` before copying anything when the pools or the plan's slots are invalid.
     """
     if copy not in COPY_FUNCTIONS:
@@ -198,15 +202,35 @@ def run_exchange(
 
     if copy == "naive":
         # Torch ops on the current stream, in list order: the one-stream order is valid.
-        for step in plan.steps:
-            _, src, dst = pools[step.kind]
-            naive_copy_unchecked(src, dst, torch.from_numpy(step.src_slots), torch.from_numpy(step.dst_slots))
-        return None
+        if streams is None:
+            for step in plan.steps:
+                _, src, dst = pools[step.kind]
+                naive_copy_unchecked(src, dst, torch.from_numpy(step.src_slots), torch.from_numpy(step.dst_slots))
+            return None
+        return _issue_naive(plan.steps, pools, len(groups), streams, after, wait)
 
     device = launch_device(gpu_pool, host_pool)
     if streams is None:
         streams = CudaStreams(device) if device.type == "cuda" else HostStreams()
     handle = issue_exchange(plan.steps, pools, groups, streams, device, min_run, after)
+    if wait:
+        handle.wait_all()
+    return handle
+
+
+def _issue_naive(steps, pools, num_layers: int, streams: Streams, after: tuple, wait: bool) -> SwapHandle:
+    """The naive copies issued through a stream model: on the current stream, after ``after``;
+    the handle's events mark the end of all of them (every layer waits for the whole plan)."""
+    current = streams.current()
+    for event in after:
+        streams.wait(current, event)
+    for index, step in enumerate(steps):
+        _, src, dst = pools[step.kind]
+        record = CopyRecord(step.kind, index, -1, tuple(range(len(src))), step.src_slots, step.dst_slots, "naive")
+        streams.issue(current, partial(naive_copy_unchecked, src, dst, torch.from_numpy(step.src_slots),
+                                       torch.from_numpy(step.dst_slots)), record)
+    done = streams.record(current)
+    handle = SwapHandle(streams, [(done, None)] * num_layers, (done,))
     if wait:
         handle.wait_all()
     return handle

@@ -81,9 +81,10 @@ class CudaStreams(Streams):
 
 @dataclass(frozen=True)
 class CopyRecord:
-    """One issued copy: direction (``d2h``/``h2d``), exchange step, layer, which buffers of the
-    pools, the rows read and written, and the engine that moves them (``copy_engine``: torch
-    copies of contiguous runs, no SMs; ``kernel``: the Triton slot copy)."""
+    """One issued copy: direction (``d2h``/``h2d``), exchange step, layer (-1: every layer),
+    which buffers of the pools, the rows read and written, and the engine that moves them
+    (``copy_engine``: torch copies of contiguous runs, no SMs; ``kernel``: the Triton slot copy;
+    ``naive``: torch indexed copies of every buffer)."""
 
     kind: str
     step: int
@@ -155,10 +156,10 @@ class RecordingStreams(HostStreams):
     def keep_alive(self, tensor, stream) -> None:
         self.ops.append(Op("keep_alive", stream, label=f"{tuple(tensor.shape)}"))
 
-    def compute(self, label: str) -> int:
-        """Record a piece of compute on the current stream (a test's stand-in for a layer);
-        returns its index in ``ops``."""
-        self.ops.append(Op("compute", "current", label=label))
+    def compute(self, label: str, stream="current") -> int:
+        """Record a piece of compute on ``stream`` (default: the current stream; a test's stand-in
+        for a layer or a forward); returns its index in ``ops``."""
+        self.ops.append(Op("compute", stream, label=label))
         return len(self.ops) - 1
 
     def happens_before(self) -> np.ndarray:

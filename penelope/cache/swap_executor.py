@@ -12,6 +12,13 @@ full-stream barrier); contiguous runs of at least `min_run` rows go through the 
 scattered rows through the swap-copy kernel. `start(plan)` returns a handle whose
 `wait_layer(l)` lets layer l's compute start while later layers still load; `run(plan)` makes
 the compute stream wait for all of it. `copy="naive"`: the torch indexed-copy fallback.
+
+`fence`: the stream forwards run on when it is not the stream plans are issued from (SGLang's
+overlap scheduler issues from its scheduling stream while the previous forward still runs on its
+forward stream). Every plan's copies then start after the work queued on the fence when the plan
+is issued, so a copy never reads KV a forward is still writing nor overwrites KV a forward still
+reads; and the fence waits for the copies, so a later forward sees what they loaded and may reuse
+the slots they emptied.
 """
 from __future__ import annotations
 
@@ -55,12 +62,17 @@ class SwapExecutor:
     `min_run`: shortest run of consecutive slots moved by the copy engines (None: the kernel only).
     `defer_waits`: `run` does not make compute wait; the handles are kept in `pending` for
     `wait_layer` (before each layer of the next forward) and `finish_layers` (after its last).
+    `fence`: the forward stream, a stream of the stream model (see the module docstring); not with
+    `defer_waits`, whose per-layer waits are for forwards on the issuing stream.
     """
 
     def __init__(self, gpu_pool: Sequence[torch.Tensor], host_pool: Sequence[torch.Tensor], copy: str = "triton",
-                 num_layers: int | None = None, min_run: int | None = MIN_RUN, defer_waits: bool = False):
+                 num_layers: int | None = None, min_run: int | None = MIN_RUN, defer_waits: bool = False,
+                 fence=None):
         if copy not in COPY_FUNCTIONS:
             raise UsageError(f"unknown copy function {copy!r}; choose one of {', '.join(COPY_FUNCTIONS)}")
+        if fence is not None and defer_waits:
+            raise UsageError("a fence stream and deferred per-layer waits do not combine")
         try:
             pools = check_pools(list(gpu_pool), list(host_pool))
             layer_groups(len(gpu_pool), num_layers)
@@ -71,7 +83,9 @@ class SwapExecutor:
         self.gpu_rows, self.host_rows = pools.src_rows, pools.dst_rows
         self.bytes_per_token = pools.row_bytes * pools.n_layers
         self.counters = ExecutorCounters()
-        self.streams = None  # the stream model, made at the first "triton" plan (or given to start)
+        # The stream model, made at the first plan that needs one (or given to start).
+        self.streams = None
+        self.fence = fence
         # The last events of the latest exchange: the next one waits for them, so plans stay in order
         # even when compute waited only for some layers.
         self._last: tuple = ()
@@ -93,9 +107,9 @@ class SwapExecutor:
 
     def start(self, plan, streams=None) -> SwapHandle | None:
         """Issue one `TierPlan` without making compute wait: returns the handle whose
-        `wait_layer(l)` / `wait_all()` order later work after the copies (None when nothing to copy
-        or for `copy="naive"`, which runs in order on the current stream). Plans started one after
-        the other stay ordered. `streams`: the stream model to use from now on (default: CUDA
+        `wait_layer(l)` / `wait_all()` order later work after the copies (None when nothing to copy,
+        or for `copy="naive"` without a stream model, which runs in order on the current stream).
+        Plans started one after the other stay ordered. `streams`: the stream model to use from now on (default: CUDA
         streams for GPU pools, host execution otherwise). Raises ValueError before copying when a
         slot is out of range."""
         steps = plan.steps()
@@ -103,12 +117,18 @@ class SwapExecutor:
             return None
         if streams is not None:
             self.streams = streams
-        elif self.streams is None and self.copy == "triton":
-            device = launch_device(self.gpu_pool, self.host_pool)
+        elif self.streams is None and (self.copy == "triton" or self.fence is not None):
+            device = (launch_device(self.gpu_pool, self.host_pool) if self.copy == "triton"
+                      else self.gpu_pool[0].device)
             self.streams = CudaStreams(device) if device.type == "cuda" else HostStreams()
+        after = self._last
+        if self.fence is not None:
+            # Everything queued on the forward stream so far: the forwards that last wrote the rows
+            # this plan reads, or still read the slots it overwrites.
+            after = (*after, self.streams.record(self.fence))
         handle = run_exchange(ExchangePlan(tuple(steps), EMPTY_SLOTS, EMPTY_SLOTS, plan.buffer_after), self.gpu_pool,
                               self.host_pool, self.copy, num_layers=self.num_layers, min_run=self.min_run,
-                              streams=self.streams, wait=False, after=self._last)
+                              streams=self.streams, wait=False, after=after)
         if handle is not None:
             self._last = handle.last
         counters = self.counters
@@ -121,8 +141,9 @@ class SwapExecutor:
         return handle
 
     def run(self, plan) -> None:
-        """Run one `TierPlan` (asynchronous on a GPU: later work on the current stream sees its
-        result, or, with `defer_waits`, each layer's work once `wait_layer` was called for it).
+        """Run one `TierPlan` (asynchronous on a GPU: later work on the current stream, and on the
+        fence stream, sees its result, or, with `defer_waits`, each layer's work once `wait_layer`
+        was called for it).
         Raises ValueError before copying when a slot is out of range."""
         handle = self.start(plan)
         if handle is None:
@@ -131,6 +152,8 @@ class SwapExecutor:
             self.pending.append(handle)
         else:
             handle.wait_all()
+        if self.fence is not None:
+            handle.wait_all(self.fence)
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait until layer `layer`'s rows of every deferred plan moved."""

@@ -345,7 +345,9 @@ def add_parser(subparsers) -> None:
     sglang.add_argument("--page-size", type=int, default=64, help="SGLang's page size")
     sglang.add_argument("--chunk", type=int, default=128, help="chunked prefill size (-1: off)")
     sglang.add_argument("--rows", type=int, default=8, help="max running requests (request rows)")
-    sglang.add_argument("--atol", type=float, default=1e-3, help="log-probability tolerance")
+    sglang.add_argument("--atol", type=float, default=None,
+                        help="log-probability tolerance; None: 1e-3 for float32, 0.1 for bfloat16, 0.05 for "
+                             "float16")
     sglang.add_argument("--no-default", action="store_true",
                         help="skip SGLang's default cache (two Engines, not three)")
     sglang.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
@@ -403,7 +405,7 @@ def run(args) -> int:
 REFERENCE_ONLY = {"attention": "--attention", "block_size": "--block-size", "swap_buffer": "--swap-buffer",
                   "copy": "--copy"}
 SGLANG_ONLY = {"model": ("--model", None), "page_size": ("--page-size", 64), "chunk": ("--chunk", 128),
-               "rows": ("--rows", 8), "atol": ("--atol", 1e-3), "no_default": ("--no-default", False),
+               "rows": ("--rows", 8), "atol": ("--atol", None), "no_default": ("--no-default", False),
                "engine_arg": ("--engine-arg", [])}
 def check_engine_options(args) -> None:
     """Refuse an option of one engine given with the other (it would be ignored)."""

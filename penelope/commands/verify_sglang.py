@@ -20,7 +20,10 @@ OWN_ENGINE_ARGS = {"model_path": "--model", "max_total_tokens": "--cache-tokens"
                    "chunked_prefill_size": "--chunk", "max_running_requests": "--rows", "device": "--device",
                    "radix_cache_backend": "--engine", "radix_eviction_policy_config": "--policy and --cpu-cache",
                    "skip_tokenizer_init": None}
-
+# Log-probability tolerance per dtype when --atol is not given: fp32 differs between batch shapes by
+# rounding only; 16-bit kernels by their precision (bf16 keeps 8 significant bits), while wrong KV
+# moves log-probabilities by units and changes tokens.
+DEFAULT_ATOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 
 def check_sglang_options(args) -> None:
@@ -36,7 +39,7 @@ def check_sglang_options(args) -> None:
             raise UsageError(f"{flag} must be in [{low}, {high}], got {value}")
     if args.chunk != -1 and not 1 <= args.chunk <= 2**31 - 1:
         raise UsageError(f"--chunk must be -1 (off) or a positive number of tokens, got {args.chunk}")
-    if not 0 <= args.atol < math.inf:
+    if args.atol is not None and not 0 <= args.atol < math.inf:
         raise UsageError(f"--atol must be a finite non-negative number, got {args.atol}")
     if args.chunk != -1 and args.chunk % args.page_size:
         raise UsageError(f"--chunk {args.chunk} is not a multiple of --page-size {args.page_size}")
@@ -119,6 +122,18 @@ def _check_plain_type(key: str, value, hint) -> None:
         raise UsageError(f"--engine-arg {key}: expected {names}, got {json.dumps(value)}")
 
 
+def engine_precision(device: str, extra: dict, atol: float | None) -> tuple[str, float]:
+    """(dtype, atol) of the check: `--engine-arg dtype=...` if given, else bf16 on CUDA (SGLang's
+    FA3 and trtllm_mha have no fp32 kernels, and the ragged kernel needs 16-bit inputs for tensor
+    cores) and fp32 on CPU; `--atol` if given, else the dtype's DEFAULT_ATOL."""
+    dtype = extra.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        dtype, dtype)
+    if dtype not in DEFAULT_ATOL:
+        raise UsageError(f"--engine-arg dtype={dtype}: the check runs float32, bfloat16 or float16")
+    return dtype, DEFAULT_ATOL[dtype] if atol is None else atol
+
+
 def engine_args(items: list[str]) -> dict:
     """`--engine-arg KEY=JSON` options as a dict (a value that is not JSON is taken as text)."""
     extra = {}
@@ -154,12 +169,14 @@ def run_sglang(args) -> int:
     from penelope.integration.sglang.verify import EngineCheck, check, tiny_model
 
     device = args.device
+    dtype, atol = engine_precision(device, extra, args.atol)
+    extra = {key: value for key, value in extra.items() if key != "dtype"}
     traffic = AgentTraffic(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                            first_tokens=args.message_tokens, growth_tokens=args.message_tokens,
                            max_new_tokens=args.reply_tokens, seed=args.seed)
     setup = EngineSetup(pool_tokens=args.cache_tokens, page_size=args.page_size, chunk=args.chunk, rows=args.rows,
-                        policy=args.policy, cpu_cache=args.cpu_cache, device=device, extra=extra)
-    spec = EngineCheck(traffic, setup, atol=args.atol, with_default=not args.no_default)
+                        policy=args.policy, cpu_cache=args.cpu_cache, dtype=dtype, device=device, extra=extra)
+    spec = EngineCheck(traffic, setup, atol=atol, with_default=not args.no_default)
     with tempfile.TemporaryDirectory(prefix="penelope-model-") as tmp:
         model = args.model or str(tiny_model(tmp, seed=args.seed))
         try:
@@ -181,11 +198,12 @@ def sglang_summary(report: dict) -> str:
     setup, traffic, comparison = report["setup"], report["traffic"], report["comparison"]
     lines = [f"SGLang Engine, {traffic['sessions']} sessions x {traffic['turns']} turns, pool "
              f"{setup['pool_tokens']} tokens, page {setup['page_size']}, chunk {setup['chunk']}, {setup['rows']} rows, "
-             f"policy {setup['policy']}"]
+             f"policy {setup['policy']}, {setup['dtype']} on {setup['device']}"]
     for name, run in report["runs"].items():
         lines.append(f"  {name:9s}: {run['prefill_tokens']} prefill tokens, {run['recomputed_tokens']} recomputed "
                      f"(cost {run['recomputed_cost']:.3g}), phantoms {run['phantom_tokens']}, hole chunks "
-                     f"{run['chunk_refill_tokens']}; start {run['start_s']} s, serve {run['serve_s']} s")
+                     f"{run['chunk_refill_tokens']}, ragged-kernel batches {run.get('ragged_batches') or 0}; start "
+                     f"{run['start_s']} s, serve {run['serve_s']} s")
         tiers = run.get("tiers") or {}
         if tiers:
             lines.append(f"  {'':9s}  CPU tier: {tiers['loads']} loads ({tiers['loaded_tokens']} tokens), "
