@@ -314,9 +314,9 @@ def test_a_batch_of_riders_reads_its_rows_back_once(budget_hooks):
     link = serving.cache.link_riders
     counted = []
 
-    def counting(riders):
+    def counting(riders, *write_slots):
         _CountedReads.reads = 0
-        link(riders)
+        link(riders, *write_slots)
         counted.append(_CountedReads.reads)
 
     serving.cache.link_riders = counting
@@ -329,3 +329,30 @@ def test_a_batch_of_riders_reads_its_rows_back_once(budget_hooks):
     serving.finish(batch)
     assert serving.accounting()[0] == serving.total
     serving.cache.check_invariants()
+
+
+def test_a_hole_two_riders_refill_in_one_batch_is_written_into_the_trees_slots(holed, budget_hooks):
+    """Two turns of the same history in one batch, both missing [128, 256): the first phantom's
+    slots go to the tree, the second phantom's are freed, so it must write the tree's slots too;
+    writing its own freed slots, it could overwrite KV that a token of the same forward was given."""
+    serving, tokens = holed
+    adder = new_adder(serving)
+    first, _ = admit(serving, adder, tokens)
+    second, _ = admit(serving, adder, tokens[:-1] + [11])
+    assert serving.cache.rider_holes(first) == serving.cache.rider_holes(second) == [(128, 256)]
+    batch = serving.build_batch(adder.can_run_list)
+    written = set(batch.out_cache_loc.tolist())
+    # Every slot still free after linking: none of them may be written by this forward.
+    free = serving.allocator.alloc(serving.allocator.available_size())
+    assert not written & set(free.tolist())
+    serving.allocator.free(free)
+    phantoms = [r for r in batch.reqs if hooks.is_phantom(r)]
+    rows = serving.req_pool.req_to_token
+    assert torch.equal(rows[phantoms[0].kv.req_pool_idx, 128:256], rows[phantoms[1].kv.req_pool_idx, 128:256])
+    serving.forward(batch)
+    serving.check_row(first)
+    serving.check_row(second)
+    serving.finish(batch)
+    assert serving.accounting()[0] == serving.total
+    serving.cache.check_invariants()
+    serving.check_tree_kv()

@@ -243,7 +243,12 @@ def _link_rows(original, batch):
     result = original(batch)
     riders = getattr(batch, _RIDERS, None)
     if riders:
-        batch.tree_cache.link_riders(riders)
+        # Where each phantom's K/V rows are written in the batch's out_cache_loc.
+        offsets, position = {}, 0
+        for req, length in zip(batch.reqs, batch.extend_lens, strict=True):
+            offsets[id(req)] = position
+            position += length
+        batch.tree_cache.link_riders(riders, batch.out_cache_loc, offsets)
         for req, phantoms in riders:
             if not req.retracted_stain:
                 # prepare_for_extend counted the request's whole prefix as cached; its riders'

@@ -463,13 +463,17 @@ class PenelopeRadixCache(BasePrefixCache):
             return None
         return hole_end - position
 
-    def link_riders(self, riders: list) -> None:
+    def link_riders(self, riders: list, out_cache_loc: torch.Tensor | None = None,
+                    offsets: dict | None = None) -> None:
         """After allocation, for every (request, its phantoms) of a batch: hand the phantoms' hole
         slots to the tree (they are written by the forward about to run) and point the request's
         row, and the rows of its later phantoms (whose prefixes contain the hole), at the tree's
-        slots. A hole some other request refilled meanwhile keeps the tree's slots; the phantom's
-        are freed. The batch's rows are read back in one device-to-host copy and written in one
-        scatter, not once per phantom (each read from a GPU waits for it)."""
+        slots. A hole some other request refilled meanwhile keeps the tree's slots: the phantom
+        then writes its K/V there too (the same tokens at the same positions) and its own slots are
+        freed, so that no slot handed out again can be written by this forward. `out_cache_loc`:
+        the batch's write slots, with each phantom's first index in it (`offsets`, by id). The
+        batch's rows are read back in one device-to-host copy and written in one scatter, not once
+        per phantom (each read from a GPU waits for it)."""
         table = self.req_to_token_pool.req_to_token
         phantoms = [phantom for _, ones in riders for phantom in ones]
         if not phantoms:
@@ -477,6 +481,7 @@ class PenelopeRadixCache(BasePrefixCache):
         passed_all = torch.cat([table[p.kv.req_pool_idx, p.prefix_len:p.extend_end] for p in phantoms]).to(
             "cpu", torch.int64).numpy()
         rows, columns, values = [], [], []
+        redirected, targets, freed = [], [], []
         offset = 0
         for req, ones in riders:
             handle = self._locks[req.lock.receipt.node_id]
@@ -489,9 +494,14 @@ class PenelopeRadixCache(BasePrefixCache):
                     namespace = self.namespaces.number(req.extra_key, req.cache_salt, create=True)
                     self.kv_events.stored_range(self.cache, key_tokens(req.full_untruncated_fill_ids, end, namespace),
                                                 start, end)
-                others = passed != kept
-                if others.any():
-                    self.slots.free(passed[others])
+                others = np.flatnonzero(passed != kept)
+                if len(others):
+                    if out_cache_loc is None:
+                        raise InvariantError(f"penelope: {phantom.rid} must write the tree's slots, but its batch's "
+                                             "write slots were not given")
+                    redirected.append(offsets[id(phantom)] + others)
+                    targets.append(kept[others])
+                    freed.append(passed[others])
                 for holder in [phantom, req, *ones[i + 1:]]:
                     rows.append(np.full(end - start, holder.kv.req_pool_idx, dtype=np.int64))
                     columns.append(np.arange(start, end, dtype=np.int64))
@@ -503,6 +513,10 @@ class PenelopeRadixCache(BasePrefixCache):
         device = table.device
         where = tuple(torch.from_numpy(np.concatenate(parts)).to(device) for parts in (rows, columns))
         table[where] = torch.from_numpy(np.concatenate(values)).to(device, table.dtype)
+        if redirected:
+            out_cache_loc[torch.from_numpy(np.concatenate(redirected)).to(out_cache_loc.device)] = \
+                torch.from_numpy(np.concatenate(targets)).to(out_cache_loc.device, out_cache_loc.dtype)
+            self.slots.free(np.concatenate(freed))
 
     def evictable_size(self) -> int:
         return self.cache.evictable_size()
