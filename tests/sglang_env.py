@@ -59,7 +59,8 @@ class Serving:
 
     def __init__(self, size: int, page_size: int = 1, rows: int = 16, max_context: int = 4096,
                  policy: str = "penelope", phantoms: bool = True, block_size: int | None = 64,
-                 events: bool = False, cpu_cache: int = 0, swap_buffer: int = 1024):
+                 events: bool = False, cpu_cache: int = 0, swap_buffer: int = 1024,
+                 tool_call_token: int | None = None):
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu",
                                        enable_memory_saver=False)
@@ -73,7 +74,8 @@ class Serving:
         params = CacheInitParams(disable=False, req_to_token_pool=self.req_pool,
                                  token_to_kv_pool_allocator=self.allocator, page_size=page_size,
                                  enable_kv_cache_events=events)
-        options = PenelopeOptions(policy=policy, block_size=block_size, cpu_cache=cpu_cache, swap_buffer=swap_buffer)
+        options = PenelopeOptions(policy=policy, block_size=block_size, cpu_cache=cpu_cache, swap_buffer=swap_buffer,
+                                  tool_call_token=tool_call_token)
         self.cache = PenelopeRadixCache(params, options, phantoms=phantoms)
         self.total = self.allocator.size // page_size * page_size
         self.running: list[Req] = []

@@ -122,7 +122,7 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache, registered_radix_cache_backends
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.runtime_context import get_context, get_memory
-from penelope.integration.sglang import attention, hooks
+from penelope.integration.sglang import attention, clock, hooks
 
 override = get_context().override_server_args(
     attention_backend="torch_native", device="cpu", radix_cache_backend="penelope",
@@ -162,7 +162,7 @@ batch.filter_batch()
 print(json.dumps({
     "replay_tokens": adder.log_replay_tokens, "members": members, "after_filter": len(batch.reqs),
     "backends": registered_radix_cache_backends(),
-    "hooks_active": hooks.hooks_active(),
+    "hooks_active": hooks.hooks_active(), "clock_active": clock.hooks_active(),
     "triton_is_penelope": ATTENTION_BACKENDS["triton"] is attention.create_penelope_triton_backend,
     "init_new_wrapped": hasattr(ScheduleBatch.init_new, "__wrapped__"),
     "cache": type(cache).__name__, "policy": cache.cache.policy.name, "block": cache.block_size,
@@ -189,6 +189,7 @@ def test_plugin_loads_through_sglang_load_plugins(tmp_path):
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert "penelope" in report["backends"]
     assert report["hooks_active"] and report["init_new_wrapped"] and report["triton_is_penelope"]
+    assert report["clock_active"]
     assert report == {**report, "cache": "PenelopeRadixCache", "policy": "leaf-head-block", "block": 128,
                       "phantoms": True}
     # Through the patched PrefillAdder, ScheduleBatch.init_new / prepare_for_extend / filter_batch.

@@ -169,11 +169,12 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import hooks
+    from . import clock, hooks
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
     hooks.register_hooks()
+    clock.register_hooks()
     if not any(hook is _check_server_args for _, hook, _ in HookRegistry._hooks.get(_SERVER_ARGS_CHECK, ())):
         HookRegistry.register(_SERVER_ARGS_CHECK, _check_server_args, HookType.AROUND)
     try:
@@ -250,7 +251,7 @@ def _check_server_args(original, server_args, *args, **kwargs):
 
 def create_penelope_cache(ctx):
     """Radix-cache factory (`TreeCacheBuildContext` -> `PenelopeRadixCache`)."""
-    from . import hooks
+    from . import clock, hooks
     from .radix_cache import PenelopeRadixCache
 
     unsupported = [flag for flag, on in (
@@ -267,6 +268,9 @@ def create_penelope_cache(ctx):
     if options.phantoms and not phantoms:
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
+    if not clock.hooks_active():
+        logger.warning("penelope: the clock hooks are not applied (was the plugin loaded through load_plugins?); "
+                       "the agent-aware policies see no time pass")
     server_args = getattr(ctx, "server_args", None)
     try:
         return PenelopeRadixCache(ctx.params, options, phantoms=phantoms,

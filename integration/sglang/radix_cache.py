@@ -116,6 +116,9 @@ class PenelopeRadixCache(BasePrefixCache):
         self.chunk_refill_tokens = 0
         # Tokens a request computed that the tree held already when it checkpointed them.
         self.duplicate_tokens = 0
+        # Seconds on rank 0's monotonic clock, as broadcast to every TP rank (``clock.py``): the
+        # time hints carry. No wall clock is read here, so every rank decides alike.
+        self.now = 0.0
         self.reset()
 
     def reset(self):
@@ -170,7 +173,12 @@ class PenelopeRadixCache(BasePrefixCache):
         setattr(req, ARRIVAL, True)
         prompt = req.origin_input_ids
         n = len(prompt) // self.block_size * self.block_size
-        self.cache.hint(key_tokens(prompt, n, namespace), Hint(time.monotonic(), ARRIVED))
+        self.cache.hint(key_tokens(prompt, n, namespace), Hint(self.now, ARRIVED))
+
+    def tell_time(self, now: float) -> None:
+        """Rank 0's clock reading (seconds), broadcast with an iteration's requests (``clock.py``);
+        the time of the arrivals and finishes that follow. Never goes back."""
+        self.now = max(self.now, float(now))
 
     def touch_prefix(self, key) -> None:
         """Bump the recency of ``key``'s cached path (a match that reports nothing)."""
@@ -286,11 +294,10 @@ class PenelopeRadixCache(BasePrefixCache):
                 # One client's malformed hint must not stop the scheduler: its wait kind is unknown.
                 logger.warning("%s; its session's wait kind is unknown", error)
                 kind = None
-        now = time.monotonic()
-        self.cache.hint(key_tokens(source, n, namespace), Hint(now, FINISHED, kind))
+        self.cache.hint(key_tokens(source, n, namespace), Hint(self.now, FINISHED, kind))
         # A prefetching policy (penelope-agent over two tiers) may now bring a tool-waiting
         # session's CPU blocks back to the GPU; the copies run before the scheduler's next step.
-        self.cache.advance(now)
+        self.cache.advance(self.now)
         self._run_plans()
 
     def evict(self, params: EvictParams) -> EvictResult:
