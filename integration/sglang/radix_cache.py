@@ -194,23 +194,25 @@ class PenelopeRadixCache(BasePrefixCache):
         cached and stays the caller's too. By design, duplicates after the first refilled hole are
         freed here. A slot passed twice, held by the tree or on SGLang's free list is refused
         (UsageError) before anything changes, and so is a value that is not a 1-D int32/int64
-        tensor on the pool's device type. ``value=None`` caches nothing (there is no KV)."""
+        tensor on the pool's device type. ``value=None`` is refused too: ``RadixCache`` then caches
+        the token ids as slots, a fallback of its simulated, pool-less tree that on real pools would
+        hand those ids to SGLang's allocator as free slots on eviction."""
         key = params.key
         if self.disable:
             return InsertResult(prefix_len=0)
         if key.is_bigram:
             raise UsageError("penelope: bigram (EAGLE) keys are not supported")
-        if params.value is not None:
-            self._check_slot_tensor(params.value)
+        if params.value is None:
+            raise UsageError("penelope: insert needs the KV slots of its key (value=None would cache token ids "
+                             "as slots)")
+        self._check_slot_tensor(params.value)
         n = len(key) // self.block_size * self.block_size
-        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=params.value is not None)
-        if n == 0 or namespace is None:
+        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=True)
+        if n == 0:
             return InsertResult(prefix_len=0)
         tokens = key_tokens(key.token_ids, n, namespace)
         before = self.cache.match(tokens)
         leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
-        if params.value is None:
-            return InsertResult(prefix_len=leading)
         if len(params.value) < n:
             raise UsageError(f"penelope: insert of {n} tokens got {len(params.value)} slots")
         slots = params.value[:n].to("cpu", torch.int64).numpy().copy()
