@@ -106,11 +106,11 @@ class PenelopeRadixCache(BasePrefixCache):
             raise UsageError(f"penelope: a CPU tier of {self.host_tokens} tokens is smaller than one block "
                              f"of {self.block_size} tokens")
         self.host_kv = None
-        self.kv_events = KVEvents(params, self.block_size)
         if params.enable_metrics:
             self.init_metrics_collector()
         self._lock_ids = itertools.count(1)
         self.namespaces = Namespaces()
+        self.kv_events = KVEvents(params, self.block_size, self.namespaces)
         # Tokens computed by phantoms, and hole tokens computed by their own request's chunks.
         self.rider_tokens = 0
         self.chunk_refill_tokens = 0
