@@ -68,8 +68,9 @@ def test_stored_blocks_hash_as_sglangs_radix_cache(page):
     assert sorted(ours, key=lambda e: e[0]) == sorted(theirs, key=lambda e: e[0])
 
 
-def test_evicted_blocks_are_removed_once_and_refills_are_stored_again():
-    serving = Serving(size=64 * 40, page_size=64, events=True)
+@pytest.mark.parametrize(("extra_key", "cache_salt"), NAMESPACES)
+def test_evicted_blocks_are_removed_once_and_refills_are_stored_again(extra_key, cache_salt):
+    serving = Serving(size=64 * 40, page_size=64, events=True, extra_key=extra_key, cache_salt=cache_salt)
     system = blocks(1000, 2)
     a, b = system + blocks(1, 6), system + blocks(5000, 6)
     serving.prefill([a + [7]])
@@ -145,18 +146,3 @@ def test_namespaced_blocks_carry_sglangs_hashes_and_fields(theirs, dynamo, block
     # Eight pages per namespace; SGLang's events tell the namespaces apart by salt and adapter, and
     # in Dynamo's format by any extra_key.
     assert len({page[0] for page in want_stored}) == 8 * (5 if dynamo else 4)
-
-
-@pytest.mark.parametrize(("extra_key", "cache_salt"), NAMESPACES[1:])
-def test_a_refilled_namespaced_hole_is_stored_again_with_its_hashes(extra_key, cache_salt):
-    serving = Serving(size=64 * 40, page_size=64, events=True, extra_key=extra_key, cache_salt=cache_salt)
-    system = blocks(1000, 2)
-    a, b = system + blocks(1, 6), system + blocks(5000, 6)
-    serving.prefill([a + [7]])
-    serving.prefill([b + [8]])
-    first = {h: tokens for h, _, tokens in stored(serving.cache.take_events())}
-    serving.cache.evict(EvictParams(num_tokens=128))
-    [removed] = serving.cache.take_events()
-    assert [first[h] for h in removed.block_hashes] == [a[128:192], a[192:256]]
-    serving.prefill([a + [9]])
-    assert [h for h, _, _ in stored(serving.cache.take_events())] == removed.block_hashes

@@ -27,9 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-from .plugin import BACKEND_NAME
+from .plugin import BACKEND_NAME, applied, register_around
 from .radix_cache import PenelopeRadixCache
 
 _RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
@@ -70,11 +68,9 @@ HOOKS = {
 
 def register_hooks() -> None:
     """Register both hooks with SGLang's HookRegistry (``load_plugins`` applies them). Idempotent."""
-    for target, hook in HOOKS.items():
-        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
-            HookRegistry.register(target, hook, HookType.AROUND)
+    register_around(HOOKS)
 
 
 def hooks_active() -> bool:
     """Whether both hooks have been applied to SGLang's classes in this process."""
-    return all(target in HookRegistry._patched for target in HOOKS)
+    return applied(HOOKS)

@@ -167,7 +167,6 @@ def register() -> None:
     the plugin; a bad option stops the server at start-up instead (``check_server_args``).
     Safe to call more than once in a process."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import clock, hooks
 
@@ -175,8 +174,7 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
     hooks.register_hooks()
     clock.register_hooks()
-    if not any(hook is _check_server_args for _, hook, _ in HookRegistry._hooks.get(_SERVER_ARGS_CHECK, ())):
-        HookRegistry.register(_SERVER_ARGS_CHECK, _check_server_args, HookType.AROUND)
+    register_around({_SERVER_ARGS_CHECK: _check_server_args})
     try:
         attention = options_from(None).attention
     except UsageError:
@@ -189,6 +187,23 @@ def register() -> None:
         # Overwrites the "triton" entry: --attention-backend triton then builds the subclass, which
         # hands every batch without phantoms to SGLang's own code.
         register_attention_backend("triton")(create_penelope_triton_backend)
+
+
+def register_around(targets: Mapping) -> None:
+    """Register each hook of `targets` ({dotted target: hook}) AROUND its target with SGLang's
+    HookRegistry, once: registering again in the same process changes nothing."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in targets.items():
+        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def applied(targets: Mapping) -> bool:
+    """Whether every target of `targets` has been patched in this process (``load_plugins``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return all(target in HookRegistry._patched for target in targets)
 
 
 def check_server_args(server_args) -> None:
