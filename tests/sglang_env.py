@@ -62,7 +62,8 @@ class Serving:
     def __init__(self, size: int, page_size: int = 1, rows: int = 16, max_context: int = 4096,
                  policy: str = "penelope", phantoms: bool = True, block_size: int | None = 64,
                  events: bool = False, cpu_cache: int = 0, swap_buffer: int = 1024, backend: str | None = None,
-                 refill: str = "auto", copy: str = "auto", forward_stream=None):
+                 refill: str = "auto", copy: str = "auto", forward_stream=None, tool_call_token: int | None = None,
+                 extra_key: str | None = None, cache_salt: str | None = None):
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu",
                                        enable_memory_saver=False)
@@ -77,7 +78,7 @@ class Serving:
                                  token_to_kv_pool_allocator=self.allocator, page_size=page_size,
                                  enable_kv_cache_events=events)
         options = PenelopeOptions(policy=policy, block_size=block_size, cpu_cache=cpu_cache, swap_buffer=swap_buffer,
-                                  refill=refill, copy=copy)
+                                  refill=refill, copy=copy, tool_call_token=tool_call_token)
         self.cache = PenelopeRadixCache(params, options, phantoms=phantoms, backend=backend,
                                         forward_stream=forward_stream)
         self.total = self.allocator.size // page_size * page_size
@@ -85,12 +86,15 @@ class Serving:
         self.rows_held: list[Req] = []
         self._next_rid = 0
         self.phantom_tokens = 0
+        # The namespace of every request `new_request` makes (a LoRA key, a cache salt).
+        self.extra_key, self.cache_salt = extra_key, cache_salt
 
     def new_request(self, tokens) -> Req:
         params = SamplingParams(max_new_tokens=1, temperature=0)
         params.normalize(None)
         self._next_rid += 1
-        return Req(f"r{self._next_rid}", "", array("q", tokens), params, vocab_size=VOCAB)
+        return Req(f"r{self._next_rid}", "", array("q", tokens), params, vocab_size=VOCAB, extra_key=self.extra_key,
+                   cache_salt=self.cache_salt)
 
     def admit(self, token_lists, chunk: int | None = None) -> list[Req]:
         """Match, plan the refill of any holes (``hooks._admit``: `chunk` tokens of budget, the

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang_env import Serving, blocks, sglang_config
 
 from penelope.cache.policy import get_policy
@@ -211,9 +211,37 @@ def test_insert_follows_radix_cache_the_caller_frees_leading_duplicates_and_the_
     allocator.free(first[128:])
     assert allocator.available_size() + cache.evictable_size() == serving.total
     assert cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).device_prefix_len == 128
-    assert cache.insert(InsertParams(key=RadixKey(list(blocks(50, 1))), value=None)).prefix_len == 0
     assert cache.all_values_flatten().sort().values.tolist() == sorted(first[:128].tolist())
     cache.check_invariants()
+
+
+def test_insert_without_slots_is_refused_where_sglang_would_cache_token_ids_as_slots():
+    """SGLang's ``RadixCache.insert(value=None)`` is a fallback for its simulated tree (no pools:
+    the scheduler's in-batch prefix tree; SGLang's scheduler never inserts into its tree cache
+    without slots): it caches the token ids themselves as the slots, and on real pools its eviction
+    then hands those ids to the allocator as free KV slots. Penelope's tree gives evicted slots
+    back to SGLang's allocator too, so it refuses such an insert in one line and changes nothing."""
+    tokens = list(range(64, 192))
+    theirs = Serving(size=64 * 4, page_size=64)
+    sglang = RadixCache(CacheInitParams(disable=False, req_to_token_pool=theirs.req_pool,
+                                        token_to_kv_pool_allocator=theirs.allocator, page_size=64))
+    sglang.insert(InsertParams(key=RadixKey(list(tokens))))
+    node = sglang.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).last_device_node
+    assert sglang.path_device_indices(node).tolist() == tokens
+    held = theirs.allocator.alloc(theirs.allocator.available_size())
+    assert theirs.allocator.available_size() == 0
+    sglang.evict(EvictParams(num_tokens=len(tokens)))
+    # Every slot is still held, yet two pages came free: slots 64 to 191, the token ids.
+    assert theirs.allocator.available_size() == len(tokens) and set(tokens) <= set(held.tolist())
+
+    serving = Serving(size=64 * 4, page_size=1)
+    serving.prefill([blocks(1, 1) + [7]])
+    before = adapter_state(serving)
+    for key in (RadixKey(list(tokens)), RadixKey(list(blocks(1, 1))), RadixKey(list(tokens), extra_key="lora")):
+        with pytest.raises(UsageError, match=r"^penelope: insert needs the KV slots of its key \(value=None"):
+            serving.cache.insert(InsertParams(key=key))
+    assert adapter_state(serving) == before
+    serving.cache.check_invariants()
 
 
 def test_insert_refuses_slots_in_the_wrong_state_and_changes_nothing():

@@ -236,6 +236,9 @@ def test_agent_aware_policies_read_what_requests_show(model, reference, policy, 
     assert counters["cost_model"] == Path(model).name
     want = expected_waits(run, traffic, token)
     assert {name: counters[name] for name in want} == want
+    # The policy's clock is the one the scheduler broadcasts (``clock.py``): session 0's tool wait
+    # of 1.5 s shows in it.
+    assert counters["hint_longest_wait_s"] >= traffic.think_s[0]
     # Both kinds were read from replies: the token told some tool calls from some replies to a person.
     from_replies = expected_waits({"requests": [r for r in run["requests"] if r["rid"] in unhinted]}, traffic, token)
     assert from_replies["hint_observed_tool"] + from_replies["hint_waiting_tool"] > 0

@@ -125,7 +125,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cac
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.runtime_context import get_context, get_memory
 from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
-from penelope.integration.sglang import attention, cpu_attention, hooks
+from penelope.integration.sglang import attention, clock, cpu_attention, hooks
 
 override = get_context().override_server_args(
     attention_backend="torch_native", device="cpu", radix_cache_backend="penelope",
@@ -166,7 +166,7 @@ print(json.dumps({
     "tokens": [adder.log_input_tokens, adder.log_hit_tokens, adder.log_replay_tokens, req.cached_tokens],
     "members": members, "after_filter": len(batch.reqs),
     "backends": registered_radix_cache_backends(),
-    "hooks_active": hooks.hooks_active(),
+    "hooks_active": hooks.hooks_active(), "clock_active": clock.hooks_active(),
     "triton_is_penelope": ATTENTION_BACKENDS["triton"] is attention.create_penelope_triton_backend,
     "prefix_backend": (ATTENTION_BACKENDS.get("torch_native_prefix") is cpu_attention.create_prefix_attention_backend
                        and "torch_native_prefix" in ATTENTION_BACKEND_CHOICES),
@@ -195,7 +195,7 @@ def test_plugin_loads_through_sglang_load_plugins(tmp_path):
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert "penelope" in report["backends"]
     assert report["hooks_active"] and report["init_new_wrapped"] and report["triton_is_penelope"]
-    assert report["prefix_backend"]
+    assert report["prefix_backend"] and report["clock_active"]
     assert report == {**report, "cache": "PenelopeRadixCache", "policy": "leaf-head-block", "block": 128,
                       "phantoms": True}
     # Through the patched PrefillAdder, ScheduleBatch.init_new / prepare_for_extend / filter_batch.

@@ -13,7 +13,8 @@ So the plugin reads the wait kind from what the request itself carries, in this 
    ends in a tool call and its session waits for the tool; any other reply waits for a person;
 3. otherwise nothing: the wait kind is unknown (None), and the policies pool every wait.
 
-Time is the scheduler process's monotonic clock.
+Time is rank 0's monotonic clock, broadcast to every tensor-parallel rank with the requests
+(``clock.py``), so every rank's policy reads the same times.
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ def wait_kind(req, tool_call_token: int | None) -> str | None:
 
 def book_counters(policy) -> dict:
     """The book of a policy that reads hints (``WaitBook.counts``) as ``hint_*`` counters for
-    ``get_server_info``; none for a policy without one."""
+    ``get_server_info``, with the longest wait observed (seconds, 0 before any); none for a policy
+    without one."""
     book = getattr(policy, "book", None)
-    return {f"hint_{name}": value for name, value in book.counts().items()} if book is not None else {}
+    if book is None:
+        return {}
+    waits = book.waits(None)
+    return {**{f"hint_{name}": value for name, value in book.counts().items()},
+            "hint_longest_wait_s": waits[-1] if waits else 0.0}

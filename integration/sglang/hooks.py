@@ -46,8 +46,8 @@ import time
 import torch
 from sglang.srt.managers.schedule_batch import BaseFinishReason, Req
 from sglang.srt.managers.schedule_policy import AddReqResult
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from .plugin import applied, register_around
 from .radix_cache import PenelopeRadixCache
 
 logger = logging.getLogger(__name__)
@@ -340,11 +340,9 @@ HOOKS = {
 
 def register_hooks() -> None:
     """Register the hooks with SGLang's HookRegistry (``load_plugins`` applies them). Idempotent."""
-    for target, hook in HOOKS.items():
-        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
-            HookRegistry.register(target, hook, HookType.AROUND)
+    register_around(HOOKS)
 
 
 def hooks_active() -> bool:
     """Whether every hook above has been applied to SGLang's classes in this process."""
-    return all(target in HookRegistry._patched for target in HOOKS)
+    return applied(HOOKS)

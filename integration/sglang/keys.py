@@ -43,6 +43,12 @@ class Namespaces:
             number = self._numbers[name] = len(self._numbers) + 1
         return number
 
+    def name_of(self, number: int) -> tuple:
+        """(extra_key, cache_salt) of namespace `number` ((None, None) for 0)."""
+        if number == 0:
+            return (None, None)
+        return next(name for name, n in self._numbers.items() if n == number)
+
     def as_dict(self) -> dict[tuple, int]:
         """{(extra_key, cache_salt): number} of the namespaces seen so far (a copy)."""
         return dict(self._numbers)

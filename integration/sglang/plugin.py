@@ -175,15 +175,14 @@ def register() -> None:
     the plugin; a bad option stops the server at start-up instead (``check_server_args``).
     Safe to call more than once in a process."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import cpu_attention, hooks
+    from . import clock, cpu_attention, hooks
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
     hooks.register_hooks()
-    if not any(hook is _check_server_args for _, hook, _ in HookRegistry._hooks.get(_SERVER_ARGS_CHECK, ())):
-        HookRegistry.register(_SERVER_ARGS_CHECK, _check_server_args, HookType.AROUND)
+    clock.register_hooks()
+    register_around({_SERVER_ARGS_CHECK: _check_server_args})
     cpu_attention.register()
     try:
         attention = options_from(None).attention
@@ -197,6 +196,23 @@ def register() -> None:
         # Overwrites the "triton" entry: --attention-backend triton then builds the subclass, which
         # hands every batch without phantoms to SGLang's own code.
         register_attention_backend("triton")(create_penelope_triton_backend)
+
+
+def register_around(targets: Mapping) -> None:
+    """Register each hook of `targets` ({dotted target: hook}) AROUND its target with SGLang's
+    HookRegistry, once: registering again in the same process changes nothing."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in targets.items():
+        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def applied(targets: Mapping) -> bool:
+    """Whether every target of `targets` has been patched in this process (``load_plugins``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return all(target in HookRegistry._patched for target in targets)
 
 
 def _check_server_args(original, server_args, *args, **kwargs):
@@ -216,7 +232,7 @@ def _check_server_args(original, server_args, *args, **kwargs):
 
 def create_penelope_cache(ctx):
     """Radix-cache factory (`TreeCacheBuildContext` -> `PenelopeRadixCache`)."""
-    from . import hooks
+    from . import clock, hooks
     from .radix_cache import PenelopeRadixCache
 
     unsupported = [flag for flag, on in (
@@ -233,6 +249,9 @@ def create_penelope_cache(ctx):
     if options.phantoms and not phantoms:
         logger.warning("penelope: scheduler hooks are not applied (was the plugin loaded through "
                        "load_plugins?); holes are recomputed with everything after them")
+    if not clock.hooks_active():
+        logger.warning("penelope: the clock hooks are not applied (was the plugin loaded through load_plugins?); "
+                       "the agent-aware policies see no time pass")
     server_args = getattr(ctx, "server_args", None)
     # The CPU tier's copies are ordered against the stream SGLang's forwards run on.
     forward_stream = getattr(getattr(getattr(ctx, "tp_worker", None), "model_runner", None), "forward_stream", None)

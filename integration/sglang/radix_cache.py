@@ -117,16 +117,19 @@ class PenelopeRadixCache(BasePrefixCache):
             raise UsageError(f"penelope: a CPU tier of {self.host_tokens} tokens is smaller than one block "
                              f"of {self.block_size} tokens")
         self.host_kv = None
-        self.kv_events = KVEvents(params, self.block_size)
         if params.enable_metrics:
             self.init_metrics_collector()
         self._lock_ids = itertools.count(1)
         self.namespaces = Namespaces()
+        self.kv_events = KVEvents(params, self.block_size, self.namespaces)
         # Tokens computed by phantoms, and hole tokens computed by their own request's chunks.
         self.rider_tokens = 0
         self.chunk_refill_tokens = 0
         # Tokens a request computed that the tree held already when it checkpointed them.
         self.duplicate_tokens = 0
+        # Seconds on rank 0's monotonic clock, as broadcast to every TP rank (``clock.py``): the
+        # time hints carry. No wall clock is read here, so every rank decides alike.
+        self.now = 0.0
         self.reset()
 
     def reset(self):
@@ -187,7 +190,12 @@ class PenelopeRadixCache(BasePrefixCache):
         setattr(req, ARRIVAL, True)
         prompt = req.origin_input_ids
         n = len(prompt) // self.block_size * self.block_size
-        self.cache.hint(key_tokens(prompt, n, namespace), Hint(time.monotonic(), ARRIVED))
+        self.cache.hint(key_tokens(prompt, n, namespace), Hint(self.now, ARRIVED))
+
+    def tell_time(self, now: float) -> None:
+        """Rank 0's clock reading (seconds), broadcast with an iteration's requests (``clock.py``);
+        the time of the arrivals and finishes that follow. Never goes back."""
+        self.now = max(self.now, float(now))
 
     def touch_prefix(self, key) -> None:
         """Bump the recency of ``key``'s cached path (a match that reports nothing)."""
@@ -203,23 +211,25 @@ class PenelopeRadixCache(BasePrefixCache):
         cached and stays the caller's too. By design, duplicates after the first refilled hole are
         freed here. A slot passed twice, held by the tree or on SGLang's free list is refused
         (UsageError) before anything changes, and so is a value that is not a 1-D int32/int64
-        tensor on the pool's device type. ``value=None`` caches nothing (there is no KV)."""
+        tensor on the pool's device type. ``value=None`` is refused too: ``RadixCache`` then caches
+        the token ids as slots, a fallback of its simulated, pool-less tree that on real pools would
+        hand those ids to SGLang's allocator as free slots on eviction."""
         key = params.key
         if self.disable:
             return InsertResult(prefix_len=0)
         if key.is_bigram:
             raise UsageError("penelope: bigram (EAGLE) keys are not supported")
-        if params.value is not None:
-            self._check_slot_tensor(params.value)
+        if params.value is None:
+            raise UsageError("penelope: insert needs the KV slots of its key (value=None would cache token ids "
+                             "as slots)")
+        self._check_slot_tensor(params.value)
         n = len(key) // self.block_size * self.block_size
-        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=params.value is not None)
-        if n == 0 or namespace is None:
+        namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=True)
+        if n == 0:
             return InsertResult(prefix_len=0)
         tokens = key_tokens(key.token_ids, n, namespace)
         before = self.cache.match(tokens)
         leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
-        if params.value is None:
-            return InsertResult(prefix_len=leading)
         if len(params.value) < n:
             raise UsageError(f"penelope: insert of {n} tokens got {len(params.value)} slots")
         slots = params.value[:n].to("cpu", torch.int64).numpy().copy()
@@ -303,11 +313,10 @@ class PenelopeRadixCache(BasePrefixCache):
                 # One client's malformed hint must not stop the scheduler: its wait kind is unknown.
                 logger.warning("%s; its session's wait kind is unknown", error)
                 kind = None
-        now = time.monotonic()
-        self.cache.hint(key_tokens(source, n, namespace), Hint(now, FINISHED, kind))
+        self.cache.hint(key_tokens(source, n, namespace), Hint(self.now, FINISHED, kind))
         # A prefetching policy (penelope-agent over two tiers) may now bring a tool-waiting
         # session's CPU blocks back to the GPU; the copies run before the scheduler's next step.
-        self.cache.advance(now)
+        self.cache.advance(self.now)
         self._run_plans()
 
     def evict(self, params: EvictParams) -> EvictResult:

@@ -10,8 +10,9 @@ Policies that reason about agents need two more facts, and they get them only th
   (`waits_for="tool"`: the reply ended in a tool call) or for a person (`"human"`), or the server
   cannot tell (None).
 
-`now` is seconds on the caller's monotonic clock: simulated time in the simulator, the server's
-monotonic clock in SGLang. Only time-based rules read it (a TTL, an expected return); recency
+`now` is seconds on the caller's monotonic clock: simulated time in the simulator; in SGLang, rank
+0's monotonic clock, which the plugin broadcasts to every tensor-parallel rank so that all ranks
+decide alike (`integration/sglang/clock.py`). Only time-based rules read it (a TTL, an expected return); recency
 stays logical. A session is recognised by its tokens alone: the record of a finished request is
 its sequence's prefix hashes (`RadixTree.hasher`), so a later request that extends the sequence is
 its session's next turn even after every block of it was evicted.
