@@ -47,6 +47,26 @@ def test_a_line_cut_by_a_kill_is_skipped(tmp_path):
     assert [p["tflops"] for p in read_points(path)] == [400.0]
 
 
+def test_arrays_and_tensors_of_several_values_are_written_as_lists(tmp_path):
+    path = tmp_path / "points.jsonl"
+    PointLog(path, "attention").write("speed", times=np.array([1.5, 2.5]), grid=torch.tensor([[1, 2], [3, 4]]),
+                                      one=torch.tensor(7), scalar=np.int64(3))
+    point = read_points(path)[0]
+    assert point["times"] == [1.5, 2.5] and point["grid"] == [[1, 2], [3, 4]]
+    assert point["one"] == 7 and point["scalar"] == 3
+
+
+def test_a_point_written_after_a_cut_line_starts_on_its_own_line(tmp_path):
+    # A stage killed mid-write leaves a line without its newline; the next stage's point must not join it.
+    path = tmp_path / "points.jsonl"
+    PointLog(path, "attention").write("speed", tflops=400.0)
+    with path.open("a") as handle:
+        handle.write('{"stage": "attention", "kind": "spe')
+    PointLog(path, "runner").write("status", status="TIMED OUT")
+    assert [p["kind"] for p in read_points(path)] == ["speed", "status"]
+    assert path.read_text().endswith("\n")
+
+
 def test_the_working_tree_is_imported_through_its_package_dir_mapping(tmp_path, monkeypatch):
     # A project laid out as Penelope's: package `demo_pkg`, its subpackage `demo_pkg.kernels` in `kernels/`.
     (tmp_path / "demo_pkg").mkdir()
