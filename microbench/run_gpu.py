@@ -13,9 +13,14 @@ what it had; the runner adds one ``status`` point per stage. ``DIR/run_gpu.log``
 output and ``nvidia-smi``. ``--shapes reduced`` runs every stage on the CPU with the kernels
 interpreted (the code paths, not the figures).
 
+SIGINT, SIGTERM or SIGHUP (``stage_group.py``): the running stage is killed with its process group
+and recorded ``INTERRUPTED``, the stages after it do not start, the calibration still runs on the
+points so far (a second signal stops it too), and the exit status is 128 + the signal (130, 143,
+129).
+
 Exit status: 0 every stage passed; 1 a stage failed, timed out or was skipped for lack of time;
 3 no CUDA GPU (after the environment point; full shapes only); 4 bad arguments; 5 a required
-package is missing (named on one line).
+package is missing (named on one line); 130, 143, 129 stopped by SIGINT, SIGTERM, SIGHUP.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +44,8 @@ from gpu_stages.source_tree import use_source_tree  # noqa: E402
 use_source_tree()
 
 from gpu_stages.points import POINTS_FILE, PointLog  # noqa: E402
+from stage_group import STOPPED, StopSignals, run_group  # noqa: E402
+from stage_group import TIMED_OUT as TIMED_OUT_GROUP  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ REQUIRED = ("torch", "triton", "numpy", "pytest")
 OPTIONAL = ("pynvml", "matplotlib")
 
 PASSED, FAILED, TIMED_OUT, SKIPPED, NO_GPU_STATUS = "passed", "FAILED", "TIMED OUT", "SKIPPED", "no GPU"
+INTERRUPTED = "INTERRUPTED"
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_BAD_ARGS, EXIT_MISSING = 0, 1, 3, 4, 5
 STAGE_NO_GPU = 3  # gpu_stages.context.NO_GPU
 
@@ -96,9 +103,10 @@ def stage_limit(stage: Stage, left: float) -> int:
     return int(min(stage.limit, left - CALIBRATION.limit))
 
 
-def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log) -> tuple[str, int]:
+def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log, stop: StopSignals) -> tuple[str, int]:
     """Run one stage in its own process group, its output appended to the open file ``log``; kill
-    the group after ``limit`` seconds. Returns its status and exit code (124 when killed)."""
+    the group after ``limit`` seconds or at a stop signal. Returns its status and exit code (124
+    when killed at its limit, 128 + the signal's number when stopped)."""
     command = [sys.executable, str(HERE / "run_stage.py"), stage.name, "--out", str(out), "--shapes", shapes,
                "--limit", str(limit)]
     if stage.module:
@@ -107,14 +115,11 @@ def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log) -> tuple[
     if shapes == "reduced":
         env["TRITON_INTERPRET"] = "1"
     log.flush()
-    process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True)
-    try:
-        code = process.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    outcome, code = run_group(command, limit, stop, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if outcome == TIMED_OUT_GROUP:
         return TIMED_OUT, 124
+    if outcome == STOPPED:
+        return INTERRUPTED, 128 + int(stop.received[-1])
     if code == 0:
         return PASSED, code
     return (NO_GPU_STATUS if code == STAGE_NO_GPU else FAILED), code
@@ -168,47 +173,68 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / POINTS_FILE).unlink(missing_ok=True)
-    start = time.monotonic()
-    statuses = []
-    with (out / "run_gpu.log").open("w") as log:
+    with StopSignals() as stop, (out / "run_gpu.log").open("w") as log:
         def say(text: str) -> None:
-            print(text, flush=True)
             log.write(text + "\n")
             log.flush()
+            try:
+                print(text, flush=True)
+            except OSError:
+                # The terminal is gone (the SIGHUP of a closed window): the log still has it.
+                pass
 
-        say(f"== run_gpu {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {args.shapes} shapes, budget "
-            f"{args.budget} s, python {sys.version.split()[0]}, optional packages missing: "
-            f"{', '.join(missing(OPTIONAL)) or 'none'}")
-        log.write(_nvidia_smi() + "\n")
-        for stage in args.stages:
-            left = args.budget - (time.monotonic() - start)
-            limit = stage_limit(stage, left)
-            status_log = PointLog(out / POINTS_FILE, stage.name)
-            if limit < MIN_STAGE:
-                say(f"== {stage.name}: {SKIPPED}, {left:.0f} s left of the {args.budget} s budget")
-                status_log.write("status", status=SKIPPED, limit_s=limit, seconds=0.0)
-                statuses.append(SKIPPED)
-                continue
-            say(f"== {stage.name} (limit {limit} s)")
-            began = time.monotonic()
-            status, code = run_stage(stage, limit, out, args.shapes, log)
-            seconds = time.monotonic() - began
-            status_log.write("status", status=status, returncode=code, limit_s=limit, seconds=round(seconds, 1))
-            statuses.append(status)
-            say(f"== {stage.name}: {status} in {seconds:.0f} s")
-            if status == NO_GPU_STATUS:
-                say("== no usable CUDA GPU: nothing can be measured (--shapes reduced runs on the CPU)")
-                break
-        code = exit_status(statuses)
-        say(f"== done in {time.monotonic() - start:.0f} s, exit status {code}; points in {out / POINTS_FILE}")
+        return run_all(args, out, log, say, stop)
+
+
+def run_all(args: argparse.Namespace, out: Path, log, say, stop: StopSignals) -> int:
+    """Every planned stage in turn; after a stop signal, the stage running is killed, the stages
+    after it are not started and the calibration runs (a second signal stops it too)."""
+    start = time.monotonic()
+    statuses = []
+    say(f"== run_gpu {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {args.shapes} shapes, budget "
+        f"{args.budget} s, python {sys.version.split()[0]}, optional packages missing: "
+        f"{', '.join(missing(OPTIONAL)) or 'none'}")
+    _nvidia_smi(log, stop)
+    told = False
+    for stage in args.stages:
+        if stop.received and not told:
+            say(f"== stopped by {stop.first.name}: the stages left do not run; the calibration does, from the "
+                "points so far (a second signal stops it)")
+            told = True
+        if stop.received and stage is not CALIBRATION:
+            continue
+        left = args.budget - (time.monotonic() - start)
+        limit = stage_limit(stage, left)
+        status_log = PointLog(out / POINTS_FILE, stage.name)
+        if limit < MIN_STAGE:
+            say(f"== {stage.name}: {SKIPPED}, {left:.0f} s left of the {args.budget} s budget")
+            status_log.write("status", status=SKIPPED, limit_s=limit, seconds=0.0)
+            statuses.append(SKIPPED)
+            continue
+        say(f"== {stage.name} (limit {limit} s)")
+        began = time.monotonic()
+        status, code = run_stage(stage, limit, out, args.shapes, log, stop)
+        seconds = time.monotonic() - began
+        extra = {"signal": stop.received[-1].name} if status == INTERRUPTED else {}
+        status_log.write("status", status=status, returncode=code, limit_s=limit, seconds=round(seconds, 1),
+                         **extra)
+        statuses.append(status)
+        say(f"== {stage.name}: {status} in {seconds:.0f} s" + (f" ({extra['signal']})" if extra else ""))
+        if status == NO_GPU_STATUS:
+            say("== no usable CUDA GPU: nothing can be measured (--shapes reduced runs on the CPU)")
+            break
+    code = stop.exit_status() or exit_status(statuses)
+    say(f"== done in {time.monotonic() - start:.0f} s, exit status {code}; points in {out / POINTS_FILE}")
     return code
 
 
-def _nvidia_smi() -> str:
+def _nvidia_smi(log, stop: StopSignals) -> None:
+    """``nvidia-smi``'s report into ``log`` (at most 20 s; a stop signal ends it)."""
+    log.flush()
     try:
-        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "nvidia-smi not available"
+        run_group(["nvidia-smi"], 20, stop, stdout=log, stderr=subprocess.STDOUT)
+    except OSError:
+        log.write("nvidia-smi not available\n")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "microbench"))
 
 import run_gpu  # noqa: E402
 from gpu_stages.points import POINTS_FILE, read_points  # noqa: E402
+from stage_group import StopSignals  # noqa: E402
 
 # Stages written for these tests, run by the real run_stage.py (found through PYTHONPATH).
 FAKE_STAGES = {
@@ -125,7 +126,8 @@ def _gone(pid: int) -> bool:
 def test_a_stage_killed_at_its_limit_keeps_its_points_and_its_children_die(fake_stages, tmp_path):
     with (tmp_path / "log").open("w") as log:
         began = time.monotonic()
-        status, code = run_gpu.run_stage(run_gpu.Stage("sleepy", 6, "fake_sleepy"), 6, tmp_path, "reduced", log)
+        status, code = run_gpu.run_stage(run_gpu.Stage("sleepy", 6, "fake_sleepy"), 6, tmp_path, "reduced", log,
+                                          StopSignals())
     assert (status, code) == (run_gpu.TIMED_OUT, 124) and time.monotonic() - began < 30
     points = read_points(tmp_path / POINTS_FILE)
     assert [(p["stage"], p["index"]) for p in points] == [("sleepy", 0), ("sleepy", 1)]
@@ -176,11 +178,120 @@ def test_a_real_stage_killed_mid_way_keeps_the_points_it_had_written(tmp_path):
     assert not read_points(tmp_path / POINTS_FILE, kind="summary")
 
 
-def _script(tmp_path, *argv, **env):
+def _running(marker: str) -> list[int]:
+    """Pids of the processes (zombies aside) whose command line mentions ``marker``: what ``ps`` shows."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in command and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _wait_for(condition, seconds: float, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, f"the run ended first, exit status {process.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.2)
+
+
+def _kill_all(process: subprocess.Popen, pids: list[int]) -> None:
+    """Leave nothing behind, whatever the test found: the run's group and the processes named."""
+    for pid in ([process.pid] if process.poll() is None else []) + pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def _as_foreground_job():
+    # What a terminal gives its foreground job: a process group of its own, SIGINT at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.setsid()
+
+
+DRIVER = """
+import sys
+sys.path.insert(0, "microbench")
+import run_gpu
+
+run_gpu.STAGES = (run_gpu.Stage("environment", 30, "fake_env"), run_gpu.Stage("sleepy", 200, "fake_sleepy"),
+                  run_gpu.Stage("late", 30, "fake_env"))
+run_gpu.CALIBRATION = run_gpu.Stage("calibration", 20, "fake_calibration")
+sys.exit(run_gpu.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_stops_the_stage_s_whole_group_and_the_calibration_still_runs(fake_stages, tmp_path, signum,
+                                                                                code):
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-c", DRIVER, "--out", str(out), "--shapes", "reduced"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=_as_foreground_job)
+    try:
+        _wait_for(lambda: read_points(out / POINTS_FILE, stage="sleepy"), 60, process)
+        child = read_points(out / POINTS_FILE, stage="sleepy")[0]["child"]
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        _kill_all(process, _running(str(out)))
+    assert process.returncode == code, output
+    statuses = {p["stage"]: p for p in read_points(out / POINTS_FILE, kind="status")}
+    assert list(statuses) == ["environment", "sleepy", "calibration"]
+    assert statuses["sleepy"]["status"] == run_gpu.INTERRUPTED
+    assert statuses["sleepy"]["signal"] == signal.Signals(signum).name
+    assert statuses["calibration"]["status"] == run_gpu.PASSED
+    # The calibration saw the points written before the signal.
+    assert read_points(out / POINTS_FILE, kind="calibration")[0]["stages_seen"] == ["environment", "sleepy"]
+    assert f"{signal.Signals(signum).name}" in output and "== done" in output
+    # Nothing of the stage is left: neither its own process nor the child it started.
+    time.sleep(0.5)
+    assert _gone(child) and _running(str(out)) == []
+
+
+def test_ctrl_c_during_a_real_run_kills_the_stage_and_writes_the_calibration(tmp_path):
+    """The script as a terminal runs it, Ctrl-C (SIGINT to its process group) in the attention stage."""
+    process = subprocess.Popen(["bash", "microbench/run_gpu.sh", "--out", str(tmp_path), "--shapes", "reduced"],
+                               cwd=REPO, env=_script_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, preexec_fn=_as_foreground_job)
+    try:
+        _wait_for(lambda: read_points(tmp_path / POINTS_FILE, stage="attention"), 240, process)
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=90)
+    finally:
+        _kill_all(process, _running(str(tmp_path)))
+    assert process.returncode == 130, output
+    assert "Traceback" not in output
+    statuses = {p["stage"]: p["status"] for p in read_points(tmp_path / POINTS_FILE, kind="status")}
+    assert statuses == {"environment": run_gpu.PASSED, "attention": run_gpu.INTERRUPTED,
+                        "calibration": statuses["calibration"]}
+    assert (tmp_path / "calibration_reduced.json").exists()
+    assert read_points(tmp_path / POINTS_FILE, kind="calibration")
+    # No process of the run is left to write into the folder.
+    lines = len((tmp_path / POINTS_FILE).read_text().splitlines())
+    assert _running(str(tmp_path)) == []
+    time.sleep(2)
+    assert len((tmp_path / POINTS_FILE).read_text().splitlines()) == lines
+
+
+def _script_environment(**env) -> dict:
     environment = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "OUT")}
-    environment.update(PYTHON=sys.executable, **env)
-    return subprocess.run(["bash", "microbench/run_gpu.sh", *argv], cwd=REPO, env=environment, capture_output=True,
-                          text=True, timeout=600)
+    return {**environment, "PYTHON": sys.executable, **env}
+
+
+def _script(tmp_path, *argv, **env):
+    return subprocess.run(["bash", "microbench/run_gpu.sh", *argv], cwd=REPO, env=_script_environment(**env),
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_the_script_without_a_gpu_exits_3_after_the_environment_point(tmp_path):
