@@ -476,16 +476,18 @@ def _record(benchmark, run: CurveRun, row: dict) -> None:
     )
 
 
-def rounds_within_budget(run: CurveRun, gpu_context: int) -> tuple[int, int] | str:
-    """``(rounds, warmup)`` that measure one context within what is left of the setup's time budget:
-    all rounds, else (the largest contexts matter most) one round and no warm-up; else why not."""
+def rounds_within_budget(run: CurveRun, gpu_context: int, left: float | None = None) -> tuple[int, int] | str:
+    """``(rounds, warmup)`` that measure one context within ``left`` seconds (default: what is left
+    of the setup's time budget): all rounds, else (the largest contexts matter most) one round and
+    no warm-up; else why not."""
     context = gpu_context // run.setup.scale
-    left = run.setup.budget_s - (time.perf_counter() - run.started)
+    if left is None:
+        left = run.setup.budget_s - (time.perf_counter() - run.started)
     for rounds, warmup in ((run.setup.rounds, 1), (1, 0)):
         expected = run.estimate_seconds(context, rounds, warmup)
-        if expected <= left:
+        if 0 < left and expected <= left:
             return rounds, warmup
-    return f"time budget: about {expected:.0f} s needed, {left:.0f} s left of {run.setup.budget_s:.0f} s"
+    return f"time budget: about {expected:.0f} s needed, {max(left, 0):.0f} s left"
 
 
 def _measure_or_skip(run: CurveRun, benchmark, gpu_context: int) -> dict:

@@ -51,21 +51,29 @@ from stage_group import TIMED_OUT as TIMED_OUT_GROUP  # noqa: E402
 @dataclass(frozen=True)
 class Stage:
     name: str
-    limit: int  # seconds
+    limit: int  # seconds on the GPU (full shapes)
     module: str | None = None  # default gpu_stages.<name>
+    # Seconds with reduced shapes on the CPU, kernels interpreted (default: ``limit``). Sized for a
+    # shared 2-core machine: about 4 times the stage's CPU time on a quiet one, the most a loaded
+    # one was seen to stretch it.
+    reduced_limit: int | None = None
+
+    def limit_for(self, shapes: str) -> int:
+        return self.limit if shapes == "full" or self.reduced_limit is None else self.reduced_limit
 
 
 STAGES = (
-    Stage("environment", 30),
+    # Imports and versions; no figure.
+    Stage("environment", 30, reduced_limit=45),
     # Compiles of two kernel configurations, the fp32 checks, 4 batches x 4 providers.
-    Stage("attention", 110),
+    Stage("attention", 110, reduced_limit=90),
     # Qwen3-8B's 36 layers at 5 contexts, 3 rounds each; the 128K tail request alone is seconds.
-    Stage("cost_curve", 150),
-    Stage("swap", 60),
-    Stage("decode", 60),
-    Stage("phantom", 40),
+    Stage("cost_curve", 150, reduced_limit=90),
+    Stage("swap", 60, reduced_limit=60),
+    Stage("decode", 60, reduced_limit=45),
+    Stage("phantom", 40, reduced_limit=45),
 )
-CALIBRATION = Stage("calibration", 20)
+CALIBRATION = Stage("calibration", 20, reduced_limit=40)
 DEFAULT_BUDGET = 480
 # Seconds a stage needs at least to be worth starting.
 MIN_STAGE = 10
@@ -95,12 +103,13 @@ def plan(only: list[str] | None = None) -> list[Stage]:
     return [STAGES[0], *(s for s in STAGES[1:] if not only or s.name in only), CALIBRATION]
 
 
-def stage_limit(stage: Stage, left: float) -> int:
-    """Seconds ``stage`` may run with ``left`` seconds of the budget left: its own limit, clipped
-    to what is left after the calibration's reserve (the calibration itself gets what is left)."""
+def stage_limit(stage: Stage, left: float, shapes: str = "full") -> int:
+    """Seconds ``stage`` may run with ``left`` seconds of the budget left: its own limit for
+    ``shapes``, clipped to what is left after the calibration's reserve (the calibration itself
+    gets what is left)."""
     if stage is CALIBRATION:
-        return int(max(MIN_STAGE, min(stage.limit, left)))
-    return int(min(stage.limit, left - CALIBRATION.limit))
+        return int(max(MIN_STAGE, min(stage.limit_for(shapes), left)))
+    return int(min(stage.limit_for(shapes), left - CALIBRATION.limit_for(shapes)))
 
 
 def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log, stop: StopSignals) -> tuple[str, int]:
@@ -113,7 +122,9 @@ def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log, stop: Sto
         command += ["--module", stage.module]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if shapes == "reduced":
-        env["TRITON_INTERPRET"] = "1"
+        # Tiny shapes on a shared CPU: more intra-op threads only contend (torch's spinning
+        # threads against the interpreter, which holds the GIL).
+        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     log.flush()
     outcome, code = run_group(command, limit, stop, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if outcome == TIMED_OUT_GROUP:
@@ -142,7 +153,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="full: the GPU experiment; reduced: small shapes on the CPU, kernels interpreted")
     parser.add_argument("--dry-run", action="store_true", help="print the stages and their limits, run nothing")
     args = parser.parse_args(argv)
-    floor = STAGES[0].limit + CALIBRATION.limit
+    floor = STAGES[0].limit_for(args.shapes) + CALIBRATION.limit_for(args.shapes)
     if args.budget < floor:
         raise ValueError(f"--budget must be at least {floor} seconds, got {args.budget}")
     args.stages = plan(args.only)
@@ -160,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         left = args.budget
         for stage in args.stages:
-            limit = stage_limit(stage, left)
+            limit = stage_limit(stage, left, args.shapes)
             print(f"{stage.name}: limit {limit} s")
             left -= limit
         return EXIT_OK
@@ -204,7 +215,7 @@ def run_all(args: argparse.Namespace, out: Path, log, say, stop: StopSignals) ->
         if stop.received and stage is not CALIBRATION:
             continue
         left = args.budget - (time.monotonic() - start)
-        limit = stage_limit(stage, left)
+        limit = stage_limit(stage, left, args.shapes)
         status_log = PointLog(out / POINTS_FILE, stage.name)
         if limit < MIN_STAGE:
             say(f"== {stage.name}: {SKIPPED}, {left:.0f} s left of the {args.budget} s budget")

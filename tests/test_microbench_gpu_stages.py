@@ -2,8 +2,10 @@
 the working tree by its package-dir mapping, the copy/compute overlap measurement, the decode grid's
 order and the calibration built from points."""
 
+import importlib
 import json
 import math
+import statistics
 import sys
 import threading
 import time
@@ -17,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "microbench"))
 
 import overlap  # noqa: E402
-from gpu_stages import calibration, decode, source_tree  # noqa: E402
+from gpu_stages import calibration, decode, phantom, source_tree  # noqa: E402
+from gpu_stages.context import PASSED, StageContext  # noqa: E402
 from gpu_stages.points import PointLog, read_points  # noqa: E402
 
 from penelope.sim.timemodel import TimeModel  # noqa: E402
@@ -218,3 +221,70 @@ def test_a_calibration_with_nothing_measured_fails_its_stage(tmp_path):
     ctx = StageContext(PointLog(tmp_path / "points.jsonl", "calibration"), tmp_path, full=False, deadline=math.inf)
     assert calibration.run(ctx) == CHECK_FAILED
     assert "measured nothing" in json.loads((tmp_path / "calibration_reduced.json").read_text())["source"]
+
+
+class JumpingClock:
+    """A stage's clock that jumps far past any deadline once the stage has measured its first point."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class JumpAfterFirstPoint(PointLog):
+    def __init__(self, path, stage, clock, measured):
+        super().__init__(path, stage)
+        self.clock, self.measured = clock, measured
+
+    def write(self, kind, **fields):
+        point = super().write(kind, **fields)
+        if kind in self.measured:
+            self.clock.offset = 1e9
+        return point
+
+
+# What each stage measures, by kind of point.
+MEASURED = {"attention": ("check", "speed"), "cost_curve": ("context",), "swap": ("copy", "overlap", "pin"),
+            "decode": ("step",), "phantom": ("phantom",)}
+
+
+@pytest.mark.parametrize("name", ["attention", "cost_curve", "swap", "decode"])
+def test_every_stage_checks_its_deadline_between_points(name, tmp_path, one_torch_thread):
+    """Reduced shapes, in this process: once the first point is in, the deadline has passed, so every
+    later point is skipped (and says so) instead of being measured past it."""
+    clock = JumpingClock()
+    log = JumpAfterFirstPoint(tmp_path / "points.jsonl", name, clock, MEASURED[name])
+    ctx = StageContext(log, tmp_path, full=False, deadline=time.monotonic() + 3600, clock=clock)
+    assert importlib.import_module(f"gpu_stages.{name}").run(ctx) == PASSED
+    points = read_points(tmp_path / "points.jsonl")
+    assert len([p for p in points if p["kind"] in MEASURED[name]]) == 1
+    skipped = [p for p in points if p["kind"] == "skipped"]
+    assert skipped and all(p["reason"] for p in skipped)
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_a_stage_past_its_deadline_measures_nothing(name, tmp_path, one_torch_thread):
+    ctx = StageContext(PointLog(tmp_path / "points.jsonl", name), tmp_path, full=False,
+                       deadline=time.monotonic() - 1)
+    began = time.monotonic()
+    assert importlib.import_module(f"gpu_stages.{name}").run(ctx) == PASSED
+    points = read_points(tmp_path / "points.jsonl")
+    assert points and not [p for p in points if p["kind"] in MEASURED[name]]
+    assert all(p["kind"] in ("skipped", "unavailable") for p in points)
+    assert time.monotonic() - began < 60
+
+
+def test_phantom_rounds_stop_at_the_first_that_does_not_fit(one_torch_thread):
+    batching = phantom.PhantomBatching(phantom.REDUCED, phantom.REDUCED.contexts[0], torch.device("cpu"))
+    asked = []
+
+    def fits(seconds):
+        asked.append(seconds)
+        return len(asked) < 2
+
+    figures = batching.compare(5, statistics.median, fits=fits)
+    # Asked before each round, with the warm-up's seconds, then the last round's.
+    assert len(asked) == 2 and all(seconds > 0 for seconds in asked)
+    assert len(figures["one_batch_rounds_s"]) == len(figures["two_batches_rounds_s"]) == 1

@@ -94,6 +94,15 @@ def test_dry_run_lists_the_stages_and_their_limits(capsys):
     assert "cost_curve: limit 40 s" in lines and "swap: limit 0 s" in lines
 
 
+def test_reduced_shapes_run_under_the_cpu_limits(capsys):
+    """The CPU run (CI's) has its own limits, sized for interpreted kernels on a shared machine."""
+    assert run_gpu.main(["--dry-run", "--shapes", "reduced"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{stage.name}: limit {stage.reduced_limit} s" for stage in run_gpu.plan()]
+    assert any(stage.reduced_limit != stage.limit for stage in run_gpu.plan())
+    assert sum(stage.limit_for("reduced") for stage in run_gpu.plan()) <= run_gpu.DEFAULT_BUDGET
+
+
 @pytest.mark.parametrize("argv", [["--budget", "5"], ["--only", "nothing"], ["--budget", "many"],
                                   ["--shapes", "huge"]])
 def test_bad_arguments_exit_4(argv, tmp_path):
