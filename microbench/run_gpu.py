@@ -43,7 +43,7 @@ from gpu_stages.source_tree import use_source_tree  # noqa: E402
 # The points helper is Penelope's JSON code: imported from this working tree (standard library only).
 use_source_tree()
 
-from gpu_stages.points import POINTS_FILE, PointLog  # noqa: E402
+from gpu_stages.points import POINTS_FILE, PointLog, read_points  # noqa: E402
 from stage_group import STOPPED, StopSignals, run_group  # noqa: E402
 from stage_group import TIMED_OUT as TIMED_OUT_GROUP  # noqa: E402
 
@@ -128,7 +128,12 @@ def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log, stop: Sto
     log.flush()
     outcome, code = run_group(command, limit, stop, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if outcome == TIMED_OUT_GROUP:
-        return TIMED_OUT, 124
+        # Killed after run() had returned (its end point is in), in the interpreter's exit: the
+        # stage's own status stands.
+        end = read_points(out / POINTS_FILE, stage=stage.name, kind="end")
+        if not end:
+            return TIMED_OUT, 124
+        code = end[-1]["returncode"]
     if outcome == STOPPED:
         return INTERRUPTED, 128 + int(stop.received[-1])
     if code == 0:

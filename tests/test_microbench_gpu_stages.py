@@ -234,14 +234,17 @@ class JumpingClock:
 
 
 class JumpAfterFirstPoint(PointLog):
-    def __init__(self, path, stage, clock, measured):
+    """Once a point of a kind in ``measured`` is written, ``clock`` jumps to ``left`` seconds before
+    ``deadline`` (default: far past it)."""
+
+    def __init__(self, path, stage, clock, measured, deadline=0.0, left=-1e9):
         super().__init__(path, stage)
-        self.clock, self.measured = clock, measured
+        self.clock, self.measured, self.deadline, self.left_after = clock, measured, deadline, left
 
     def write(self, kind, **fields):
         point = super().write(kind, **fields)
-        if kind in self.measured:
-            self.clock.offset = 1e9
+        if kind in self.measured and self.clock.offset == 0.0:
+            self.clock.offset = self.deadline - self.left_after - time.monotonic()
         return point
 
 
@@ -254,9 +257,9 @@ MEASURED = {"attention": ("check", "speed"), "cost_curve": ("context",), "swap":
 def test_every_stage_checks_its_deadline_between_points(name, tmp_path, one_torch_thread):
     """Reduced shapes, in this process: once the first point is in, the deadline has passed, so every
     later point is skipped (and says so) instead of being measured past it."""
-    clock = JumpingClock()
-    log = JumpAfterFirstPoint(tmp_path / "points.jsonl", name, clock, MEASURED[name])
-    ctx = StageContext(log, tmp_path, full=False, deadline=time.monotonic() + 3600, clock=clock)
+    clock, deadline = JumpingClock(), time.monotonic() + 3600
+    log = JumpAfterFirstPoint(tmp_path / "points.jsonl", name, clock, MEASURED[name], deadline)
+    ctx = StageContext(log, tmp_path, full=False, deadline=deadline, clock=clock)
     assert importlib.import_module(f"gpu_stages.{name}").run(ctx) == PASSED
     points = read_points(tmp_path / "points.jsonl")
     assert len([p for p in points if p["kind"] in MEASURED[name]]) == 1
@@ -288,3 +291,19 @@ def test_phantom_rounds_stop_at_the_first_that_does_not_fit(one_torch_thread):
     # Asked before each round, with the warm-up's seconds, then the last round's.
     assert len(asked) == 2 and all(seconds > 0 for seconds in asked)
     assert len(figures["one_batch_rounds_s"]) == len(figures["two_batches_rounds_s"]) == 1
+
+
+def test_the_cost_curve_draws_its_plot_only_with_time_left_for_it(tmp_path, one_torch_thread):
+    """Measuring stops early enough for the summary and the plot; without the time for a plot, the
+    summary is written and the plot skipped, so the stage ends before its deadline."""
+    from gpu_stages import cost_curve
+
+    clock, deadline = JumpingClock(), time.monotonic() + 3600
+    log = JumpAfterFirstPoint(tmp_path / "points.jsonl", "cost_curve", clock, ("context",), deadline,
+                              left=cost_curve.PLOT_SECONDS / 2)
+    ctx = StageContext(log, tmp_path, full=False, deadline=deadline, clock=clock)
+    assert cost_curve.run(ctx) == PASSED
+    points = read_points(tmp_path / "points.jsonl")
+    assert [p["kind"] for p in points if p["kind"] != "skipped"] == ["context", "summary"]
+    assert [p["what"] for p in points if p["kind"] == "skipped"][-1] == "plot"
+    assert not (tmp_path / "cost_curve.png").exists()

@@ -43,6 +43,15 @@ FAKE_STAGES = {
             ctx.log.write("point", index=0)
             raise RuntimeError("broken on purpose")
     """,
+    "fake_slow_exit": """
+        import atexit, time
+
+        def run(ctx):
+            ctx.log.write("point", index=0)
+            # Work after the stage returned (an interpreter's teardown, a library's atexit hook).
+            atexit.register(time.sleep, 120)
+            return 0
+    """,
     "fake_calibration": """
         def run(ctx):
             ctx.log.write("calibration", stages_seen=sorted({p["stage"] for p in __import__(
@@ -144,6 +153,15 @@ def test_a_stage_killed_at_its_limit_keeps_its_points_and_its_children_die(fake_
     assert 0 < points[1]["left_s"] < 6
     time.sleep(0.5)
     assert _gone(points[0]["child"])
+
+
+def test_a_stage_killed_in_its_exit_after_it_returned_keeps_its_status(fake_stages, tmp_path):
+    with (tmp_path / "log").open("w") as log:
+        status, code = run_gpu.run_stage(run_gpu.Stage("slow_exit", 6, "fake_slow_exit"), 6, tmp_path, "reduced",
+                                         log, StopSignals())
+    assert (status, code) == (run_gpu.PASSED, 0)
+    end = read_points(tmp_path / POINTS_FILE, kind="end")
+    assert [(p["stage"], p["returncode"]) for p in end] == [("slow_exit", 0)]
 
 
 def test_a_run_records_every_stage_and_goes_on_after_failures(fake_stages, tmp_path, capsys):

@@ -5,7 +5,8 @@ model's prediction and the paper's figures (1.14x at 8K, 2.93x at 128K on an H10
 ``bench_cost_curve.CurveRun`` on its GPU setup (Qwen3-8B's shape, random bf16 weights, the Triton
 kernel through the reference engine). 8K and 128K first, the paper's two points, then 16K, 32K and
 64K; a context that would not finish before the stage's deadline gets one round, else is skipped.
-Each context is one ``context`` point the moment it is measured; ``cost_curve.png`` at the end.
+Each context is one ``context`` point the moment it is measured; ``cost_curve.png`` at the end,
+with ``PLOT_SECONDS`` kept for it (else it is skipped).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS
 from .context import PASSED, StageContext
 
 ORDER = tuple(k * 1024 for k in (8, 128, 16, 32, 64))
+# Seconds kept for the summary and the plot after the last context (matplotlib's import is most of
+# it on a loaded CPU); without them the plot is skipped rather than drawn past the deadline.
+PLOT_SECONDS = 12.0
 # The CPU: the paper's two points and one between, enough for every code path.
 REDUCED_ORDER = tuple(k * 1024 for k in (8, 128, 32))
 FULL = SETUPS["gpu"]
@@ -36,9 +40,9 @@ def run(ctx: StageContext) -> int:
                  attention=setup.attention, c_lin=curve.cost.c_lin)
     for gpu_context in ORDER if ctx.full else REDUCED_ORDER:
         # The estimate is the last context's speed times this one's work (the cost model's units).
-        plan = rounds_within_budget(curve, gpu_context, left=ctx.left())
+        plan = rounds_within_budget(curve, gpu_context, left=ctx.left() - PLOT_SECONDS)
         if isinstance(plan, str):
-            ctx.log.write("skipped", gpu_context=gpu_context, reason=plan)
+            ctx.log.write("skipped", what="context", gpu_context=gpu_context, reason=plan)
             continue
         rounds, warmup = plan
         # Interpreted on the CPU there is nothing to warm up, and the times are not the point.
@@ -51,6 +55,8 @@ def run(ctx: StageContext) -> int:
     ctx.log.write("summary", **about, contexts=[row["gpu_context"] for row in curve.rows],
                   max_abs_relative_error=summary["max_abs_relative_error"],
                   speedup_grows_with_context=summary["speedup_grows_with_context"])
-    if importlib.util.find_spec("matplotlib") is not None:
+    if importlib.util.find_spec("matplotlib") is None:
+        ctx.log.write("skipped", what="plot", reason="matplotlib is not installed")
+    elif ctx.has_time(PLOT_SECONDS, what="plot"):
         plot_curve(summary, ctx.out / "cost_curve.png")
     return PASSED
