@@ -232,10 +232,15 @@ def run_all(args: argparse.Namespace, out: Path, log, say, stop: StopSignals) ->
         status, code = run_stage(stage, limit, out, args.shapes, log, stop)
         seconds = time.monotonic() - began
         extra = {"signal": stop.received[-1].name} if status == INTERRUPTED else {}
+        # A stage passes when it skipped points for lack of time: the status says how many.
+        skipped = len(read_points(out / POINTS_FILE, stage=stage.name, kind="skipped"))
         status_log.write("status", status=status, returncode=code, limit_s=limit, seconds=round(seconds, 1),
-                         **extra)
+                         skipped_points=skipped, **extra)
         statuses.append(status)
-        say(f"== {stage.name}: {status} in {seconds:.0f} s" + (f" ({extra['signal']})" if extra else ""))
+        notes = [extra["signal"]] if extra else []
+        if skipped:
+            notes.append(f"{skipped} point{'s' * (skipped != 1)} skipped: see their reasons in {POINTS_FILE}")
+        say(f"== {stage.name}: {status} in {seconds:.0f} s" + (f" ({'; '.join(notes)})" if notes else ""))
         if status == NO_GPU_STATUS:
             say("== no usable CUDA GPU: nothing can be measured (--shapes reduced runs on the CPU)")
             break

@@ -307,3 +307,23 @@ def test_the_cost_curve_draws_its_plot_only_with_time_left_for_it(tmp_path, one_
     assert [p["kind"] for p in points if p["kind"] != "skipped"] == ["context", "summary"]
     assert [p["what"] for p in points if p["kind"] == "skipped"][-1] == "plot"
     assert not (tmp_path / "cost_curve.png").exists()
+
+
+def test_the_next_batch_is_estimated_by_its_work_not_by_twice_the_last(tmp_path):
+    from gpu_stages import attention
+    from gpu_stages.context import Pace
+
+    shape = attention.QWEN3_8B
+    before, after = attention.batch_work(32 * 1024, "tail", shape), attention.batch_work(128 * 1024, "front", shape)
+    # The 128K hole alone is 39K tokens: 3.2 times the causal work of the 32K tail before it.
+    assert after / before == pytest.approx(3.17, abs=0.01)
+    clock = JumpingClock()
+    ctx = StageContext(PointLog(tmp_path / "points.jsonl", "attention"), tmp_path, full=True,
+                       deadline=clock() + 35, clock=clock)
+    pace = Pace(ctx)
+    assert pace.has_time(before, what="timed batch")
+    clock.offset += 10  # the 32K batch took 10 s: 25 s left, more than twice that
+    pace.done()
+    assert not pace.has_time(after, what="timed batch", context=128 * 1024)
+    skipped = read_points(tmp_path / "points.jsonl", kind="skipped")[0]
+    assert skipped["context"] == 128 * 1024 and skipped["reason"].startswith("about 31.7 s needed")

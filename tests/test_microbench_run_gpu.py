@@ -52,6 +52,13 @@ FAKE_STAGES = {
             atexit.register(time.sleep, 120)
             return 0
     """,
+    "fake_skips": """
+        def run(ctx):
+            ctx.log.write("point", index=0)
+            for index in (1, 2):
+                ctx.log.write("skipped", index=index, reason="no time")
+            return 0
+    """,
     "fake_calibration": """
         def run(ctx):
             ctx.log.write("calibration", stages_seen=sorted({p["stage"] for p in __import__(
@@ -162,6 +169,15 @@ def test_a_stage_killed_in_its_exit_after_it_returned_keeps_its_status(fake_stag
     assert (status, code) == (run_gpu.PASSED, 0)
     end = read_points(tmp_path / POINTS_FILE, kind="end")
     assert [(p["stage"], p["returncode"]) for p in end] == [("slow_exit", 0)]
+
+
+def test_the_points_a_stage_skipped_are_counted_in_its_status(fake_stages, tmp_path, capsys):
+    fake_stages(run_gpu.Stage("skips", 20, "fake_skips"))
+    assert run_gpu.main(["--out", str(tmp_path), "--budget", "60", "--shapes", "reduced"]) == run_gpu.EXIT_OK
+    status = read_points(tmp_path / POINTS_FILE, stage="skips", kind="status")[0]
+    assert status["status"] == run_gpu.PASSED and status["skipped_points"] == 2
+    assert "== skips: passed in" in capsys.readouterr().out
+    assert "2 points skipped" in (tmp_path / "run_gpu.log").read_text()
 
 
 def test_a_run_records_every_stage_and_goes_on_after_failures(fake_stages, tmp_path, capsys):
