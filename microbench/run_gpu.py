@@ -43,6 +43,7 @@ from gpu_stages.source_tree import use_source_tree  # noqa: E402
 # The points helper is Penelope's JSON code: imported from this working tree (standard library only).
 use_source_tree()
 
+from gpu_stages.files import LOG_FILE, OUTPUT_FILES  # noqa: E402
 from gpu_stages.points import POINTS_FILE, PointLog, read_points  # noqa: E402
 from stage_group import STOPPED, StopSignals, run_group  # noqa: E402
 from stage_group import TIMED_OUT as TIMED_OUT_GROUP  # noqa: E402
@@ -151,13 +152,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "results" / "gpu"),
                         help="output folder (default $OUT, else results/gpu)")
-    parser.add_argument("--budget", type=int, default=int(os.environ.get("TOTAL_BUDGET", DEFAULT_BUDGET)),
+    parser.add_argument("--budget", type=int,
                         help=f"seconds for the whole run (default $TOTAL_BUDGET, else {DEFAULT_BUDGET})")
     parser.add_argument("--only", nargs="+", metavar="STAGE", help="run only these measuring stages")
     parser.add_argument("--shapes", choices=("full", "reduced"), default="full",
                         help="full: the GPU experiment; reduced: small shapes on the CPU, kernels interpreted")
     parser.add_argument("--dry-run", action="store_true", help="print the stages and their limits, run nothing")
     args = parser.parse_args(argv)
+    if args.budget is None:
+        # Read only when --budget is not given: a bad value there must not stop a run that sets it.
+        budget = os.environ.get("TOTAL_BUDGET") or str(DEFAULT_BUDGET)
+        try:
+            args.budget = int(budget)
+        except ValueError:
+            raise ValueError(f"TOTAL_BUDGET must be whole seconds, got {budget!r}") from None
     floor = STAGES[0].limit_for(args.shapes) + CALIBRATION.limit_for(args.shapes)
     if args.budget < floor:
         raise ValueError(f"--budget must be at least {floor} seconds, got {args.budget}")
@@ -176,30 +184,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         left = args.budget
         for stage in args.stages:
+            # As a real run whose every stage takes its whole limit.
             limit = stage_limit(stage, left, args.shapes)
+            if limit < MIN_STAGE:
+                print(f"{stage.name}: {skipped_line(args, left)}")
+                continue
             print(f"{stage.name}: limit {limit} s")
             left -= limit
         return EXIT_OK
-    absent = missing()
-    if absent:
-        print(f"run_gpu: missing package(s): {', '.join(absent)} (nothing is installed or downloaded here: "
-              "install them in this Python, or carry their wheels)", file=sys.stderr)
-        return EXIT_MISSING
 
     out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / POINTS_FILE).unlink(missing_ok=True)
-    with StopSignals() as stop, (out / "run_gpu.log").open("w") as log:
-        def say(text: str) -> None:
+    try:
+        clear_outputs(out)
+        log = (out / LOG_FILE).open("w")
+    except OSError as error:
+        print(f"run_gpu: error: cannot write the output folder {out}: {error.strerror or error}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    with log, StopSignals() as stop:
+        def say(text: str, stream=sys.stdout) -> None:
             log.write(text + "\n")
             log.flush()
             try:
-                print(text, flush=True)
+                print(text, file=stream, flush=True)
             except OSError:
                 # The terminal is gone (the SIGHUP of a closed window): the log still has it.
                 pass
 
+        absent = missing()
+        if absent:
+            say(f"run_gpu: missing package(s): {', '.join(absent)} (nothing is installed or downloaded here: "
+                "install them in this Python, or carry their wheels)", sys.stderr)
+            PointLog(out / POINTS_FILE, "run_gpu").write("missing", packages=absent, python=sys.executable)
+            return EXIT_MISSING
         return run_all(args, out, log, say, stop)
+
+
+def clear_outputs(out: Path) -> None:
+    """Create the output folder, or remove from it what an earlier run wrote (only the script's own
+    files); raises OSError where it cannot."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUT_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
+def skipped_line(args: argparse.Namespace, left: float) -> str:
+    return f"{SKIPPED}, {left:.0f} s left of the {args.budget} s budget"
 
 
 def run_all(args: argparse.Namespace, out: Path, log, say, stop: StopSignals) -> int:
@@ -223,7 +252,7 @@ def run_all(args: argparse.Namespace, out: Path, log, say, stop: StopSignals) ->
         limit = stage_limit(stage, left, args.shapes)
         status_log = PointLog(out / POINTS_FILE, stage.name)
         if limit < MIN_STAGE:
-            say(f"== {stage.name}: {SKIPPED}, {left:.0f} s left of the {args.budget} s budget")
+            say(f"== {stage.name}: {skipped_line(args, left)}")
             status_log.write("status", status=SKIPPED, limit_s=limit, seconds=0.0)
             statuses.append(SKIPPED)
             continue

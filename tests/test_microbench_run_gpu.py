@@ -107,7 +107,22 @@ def test_dry_run_lists_the_stages_and_their_limits(capsys):
     assert run_gpu.main(["--dry-run", "--budget", "200"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "environment: limit 30 s" and lines[-1].startswith("calibration: limit")
-    assert "cost_curve: limit 40 s" in lines and "swap: limit 0 s" in lines
+    # What a real run would do: 200 - 30 - 110 s leave 40 s for the cost curve, then under 10 s
+    # after the calibration's reserve for each stage left: skipped, not run for 0 s.
+    assert "cost_curve: limit 40 s" in lines
+    assert [line for line in lines if "SKIPPED" in line] == [
+        f"{name}: SKIPPED, 20 s left of the 200 s budget" for name in ("swap", "decode", "phantom")]
+
+
+def test_total_budget_from_the_environment_is_checked_and_named(monkeypatch, capsys):
+    monkeypatch.setenv("TOTAL_BUDGET", "abc")
+    assert run_gpu.main(["--dry-run", "--budget", "100"]) == run_gpu.EXIT_OK
+    capsys.readouterr()
+    assert run_gpu.main(["--dry-run"]) == run_gpu.EXIT_BAD_ARGS
+    assert capsys.readouterr().err.strip() == "run_gpu: error: TOTAL_BUDGET must be whole seconds, got 'abc'"
+    monkeypatch.setenv("TOTAL_BUDGET", "120")
+    assert run_gpu.main(["--dry-run"]) == run_gpu.EXIT_OK
+    assert "budget" not in capsys.readouterr().err
 
 
 def test_reduced_shapes_run_under_the_cpu_limits(capsys):
@@ -128,10 +143,37 @@ def test_bad_arguments_exit_4(argv, tmp_path):
 def test_a_missing_package_is_named_on_one_line_and_exits_5(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(run_gpu, "REQUIRED", ("numpy", "no_such_package_here", "torch"))
     assert run_gpu.missing() == ["no_such_package_here"]
-    assert run_gpu.main(["--out", str(tmp_path / "out")]) == run_gpu.EXIT_MISSING
+    out = tmp_path / "out"
+    assert run_gpu.main(["--out", str(out)]) == run_gpu.EXIT_MISSING
     message = capsys.readouterr().err.strip()
     assert "\n" not in message and "missing package(s): no_such_package_here" in message
-    assert not (tmp_path / "out").exists()
+    # The folder that comes back from the GPU machine says it too.
+    assert message in (out / "run_gpu.log").read_text()
+    [point] = read_points(out / POINTS_FILE)
+    assert point["kind"] == "missing" and point["packages"] == ["no_such_package_here"]
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/sub", "points_is_a_folder"])
+def test_an_output_folder_that_cannot_be_written_is_named_on_one_line_and_exits_4(tmp_path, capsys, where):
+    (tmp_path / "a_file").write_text("not a folder")
+    out = tmp_path / where
+    if where == "points_is_a_folder":
+        (out / POINTS_FILE).mkdir(parents=True)
+    assert run_gpu.main(["--out", str(out), "--shapes", "reduced"]) == run_gpu.EXIT_BAD_ARGS
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and message.startswith(f"run_gpu: error: cannot write the output folder {out}: ")
+
+
+def test_a_run_clears_the_files_an_earlier_run_left_and_only_those(fake_stages, tmp_path):
+    fake_stages(run_gpu.Stage("quick", 20, "fake_env"))
+    out = tmp_path / "out"
+    out.mkdir()
+    old = ["cost_curve.png", "calibration_gpu.json", "calibration_reduced.json", POINTS_FILE, "run_gpu.log"]
+    for name in [*old, "notes.txt"]:
+        (out / name).write_text("an earlier run's\n")
+    assert run_gpu.main(["--out", str(out), "--budget", "60", "--shapes", "reduced"]) == run_gpu.EXIT_OK
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", POINTS_FILE, "run_gpu.log"]
+    assert "an earlier run's" not in (out / POINTS_FILE).read_text() + (out / "run_gpu.log").read_text()
 
 
 @pytest.mark.parametrize(("statuses", "code"), [
@@ -332,16 +374,20 @@ def _script_environment(**env) -> dict:
     return {**environment, "PYTHON": sys.executable, **env}
 
 
-def _script(tmp_path, *argv, **env):
-    return subprocess.run(["bash", "microbench/run_gpu.sh", *argv], cwd=REPO, env=_script_environment(**env),
-                          capture_output=True, text=True, timeout=600)
+def _script(tmp_path, *argv, cwd=REPO, **env):
+    return subprocess.run(["bash", str(REPO / "microbench" / "run_gpu.sh"), *argv], cwd=cwd,
+                          env=_script_environment(**env), capture_output=True, text=True, timeout=600)
 
 
 def test_the_script_without_a_gpu_exits_3_after_the_environment_point(tmp_path):
-    done = _script(tmp_path, OUT=str(tmp_path))
+    # Run from elsewhere, with a relative $OUT: the folder is the caller's, not the repository's.
+    (tmp_path / "caller").mkdir()
+    done = _script(tmp_path, cwd=tmp_path / "caller", OUT="../out")
     assert done.returncode == run_gpu.EXIT_NO_GPU, done.stdout + done.stderr
+    tmp_path = tmp_path / "out"
     points = read_points(tmp_path / POINTS_FILE)
-    assert [(p["stage"], p["kind"]) for p in points] == [("environment", "environment"), ("environment", "status")]
+    assert [(p["stage"], p["kind"]) for p in points] == [("environment", "environment"), ("environment", "end"),
+                                                        ("environment", "status")]
     environment = points[0]
     assert environment["cuda_available"] is False and environment["torch"] and environment["python"]
     assert len(environment["tree_fingerprint"]) == 40 and "nvml" in environment

@@ -20,6 +20,7 @@ from bench_cost_curve import SETUPS, CurveRun, plot_curve, rounds_within_budget
 from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS
 
 from .context import PASSED, StageContext
+from .files import PLOT_FILE
 
 ORDER = tuple(k * 1024 for k in (8, 128, 16, 32, 64))
 # Seconds kept for the summary and the plot after the last context (matplotlib's import is most of
@@ -58,5 +59,5 @@ def run(ctx: StageContext) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         ctx.log.write("skipped", what="plot", reason="matplotlib is not installed")
     elif ctx.has_time(PLOT_SECONDS, what="plot"):
-        plot_curve(summary, ctx.out / "cost_curve.png")
+        plot_curve(summary, ctx.out / PLOT_FILE)
     return PASSED
