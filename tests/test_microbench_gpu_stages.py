@@ -327,3 +327,21 @@ def test_the_next_batch_is_estimated_by_its_work_not_by_twice_the_last(tmp_path)
     assert not pace.has_time(after, what="timed batch", context=128 * 1024)
     skipped = read_points(tmp_path / "points.jsonl", kind="skipped")[0]
     assert skipped["context"] == 128 * 1024 and skipped["reason"].startswith("about 31.7 s needed")
+
+
+def test_a_copy_inside_another_repository_records_no_commit(tmp_path, monkeypatch):
+    """A tree without .git unpacked inside some other git checkout: that checkout's commit is not
+    this tree's (the fingerprint identifies it instead)."""
+    import subprocess
+
+    import machine
+
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    git = ["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "outer"], check=True)
+    monkeypatch.setattr(machine, "REPO", outer / "copy")
+    assert machine.git("rev-parse", "HEAD") is None
+    monkeypatch.setattr(machine, "REPO", outer)
+    assert len(machine.git("rev-parse", "HEAD")) == 40
