@@ -19,8 +19,9 @@ points so far (a second signal stops it too), and the exit status is 128 + the s
 129).
 
 Exit status: 0 every stage passed; 1 a stage failed, timed out or was skipped for lack of time;
-3 no CUDA GPU (after the environment point; full shapes only); 4 bad arguments; 5 a required
-package is missing (named on one line); 130, 143, 129 stopped by SIGINT, SIGTERM, SIGHUP.
+3 no CUDA GPU (after the environment point; full shapes only); 4 bad arguments or an output folder
+that cannot be written; 5 a required package is missing (named on one line) or does not import
+(after the environment point); 130, 143, 129 stopped by SIGINT, SIGTERM, SIGHUP.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ REQUIRED = ("torch", "triton", "numpy", "pytest")
 OPTIONAL = ("pynvml", "matplotlib")
 
 PASSED, FAILED, TIMED_OUT, SKIPPED, NO_GPU_STATUS = "passed", "FAILED", "TIMED OUT", "SKIPPED", "no GPU"
-INTERRUPTED = "INTERRUPTED"
+INTERRUPTED, BROKEN_PACKAGE = "INTERRUPTED", "package does not import"
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_BAD_ARGS, EXIT_MISSING = 0, 1, 3, 4, 5
-STAGE_NO_GPU = 3  # gpu_stages.context.NO_GPU
+STAGE_NO_GPU, STAGE_BROKEN = 3, 5  # gpu_stages.context.NO_GPU, BROKEN
 
 
 def missing(packages: tuple[str, ...] | None = None) -> list[str]:
@@ -139,10 +140,12 @@ def run_stage(stage: Stage, limit: float, out: Path, shapes: str, log, stop: Sto
         return INTERRUPTED, 128 + int(stop.received[-1])
     if code == 0:
         return PASSED, code
-    return (NO_GPU_STATUS if code == STAGE_NO_GPU else FAILED), code
+    return {STAGE_NO_GPU: NO_GPU_STATUS, STAGE_BROKEN: BROKEN_PACKAGE}.get(code, FAILED), code
 
 
 def exit_status(statuses: list[str]) -> int:
+    if BROKEN_PACKAGE in statuses:
+        return EXIT_MISSING
     if NO_GPU_STATUS in statuses:
         return EXIT_NO_GPU
     return EXIT_OK if statuses and all(status == PASSED for status in statuses) else EXIT_FAILED
@@ -272,6 +275,10 @@ def run_all(args: argparse.Namespace, out: Path, log, say, stop: StopSignals) ->
         say(f"== {stage.name}: {status} in {seconds:.0f} s" + (f" ({'; '.join(notes)})" if notes else ""))
         if status == NO_GPU_STATUS:
             say("== no usable CUDA GPU: nothing can be measured (--shapes reduced runs on the CPU)")
+            break
+        if status == BROKEN_PACKAGE:
+            errors = read_points(out / POINTS_FILE, stage=stage.name, kind="error")
+            say(f"== {errors[-1]['error'] if errors else 'a required package does not import'}: no stage can run")
             break
     code = stop.exit_status() or exit_status(statuses)
     say(f"== done in {time.monotonic() - start:.0f} s, exit status {code}; points in {out / POINTS_FILE}")

@@ -151,8 +151,8 @@ def _context(gpu_context, front, tail, pairs_front, pairs_tail, tokens):
 def synthetic_points():
     """Points of a run whose times follow known constants."""
     overhead, per_unit, per_pair = 3e-3, 2e-13, 3e-13
-    points = [{"stage": "environment", "kind": "environment", "commit": None, "tree_fingerprint": "ab" * 20,
-               "cuda_device": {"name": "NVIDIA H200"}}]
+    points = [{"stage": "environment", "kind": "environment", "commit": None, "tree_fingerprint": "ab" * 20},
+              {"stage": "environment", "kind": "device", "cuda_device": {"name": "NVIDIA H200"}}]
     for context in (8192, 131072, 32768):
         tokens = int(0.3 * context) + 512
         pairs_front, pairs_tail = tokens * (2048 + tokens // 2), tokens * context

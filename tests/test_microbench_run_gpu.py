@@ -386,15 +386,34 @@ def test_the_script_without_a_gpu_exits_3_after_the_environment_point(tmp_path):
     assert done.returncode == run_gpu.EXIT_NO_GPU, done.stdout + done.stderr
     tmp_path = tmp_path / "out"
     points = read_points(tmp_path / POINTS_FILE)
-    assert [(p["stage"], p["kind"]) for p in points] == [("environment", "environment"), ("environment", "end"),
-                                                        ("environment", "status")]
-    environment = points[0]
-    assert environment["cuda_available"] is False and environment["torch"] and environment["python"]
+    assert [p["kind"] for p in points] == ["environment", "device", "end", "status"]
+    environment, device = points[0], points[1]
+    assert device["cuda_available"] is False and device["torch"] and environment["python"]
     assert len(environment["tree_fingerprint"]) == 40 and "nvml" in environment
     assert "no usable CUDA GPU" in (tmp_path / "run_gpu.log").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == [POINTS_FILE, "run_gpu.log"]
     done = _script(tmp_path, "--budget", "5")
     assert done.returncode == run_gpu.EXIT_BAD_ARGS and "--budget must be at least" in done.stderr
+
+
+def test_a_torch_that_does_not_import_stops_the_run_after_the_facts_without_it(tmp_path):
+    """Installed (found) but broken: the environment point still has the machine and the code, the
+    error is named, and the run stops there (no stage could import torch) with the missing-package
+    status."""
+    broken = tmp_path / "broken" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("libcudart.so.13: cannot open shared object file")\n')
+    out = tmp_path / "out"
+    done = _script(tmp_path, OUT=str(out), PYTHONPATH=str(tmp_path / "broken"))
+    assert done.returncode == run_gpu.EXIT_MISSING, done.stdout + done.stderr
+    points = read_points(out / POINTS_FILE)
+    assert [(p["stage"], p["kind"]) for p in points] == [("environment", "environment"), ("environment", "error"),
+                                                        ("environment", "end"), ("environment", "status")]
+    environment, error = points[0], points[1]
+    assert environment["python"] and len(environment["tree_fingerprint"]) == 40 and "nvidia_smi" in environment
+    assert error["error"] == "torch does not import: ImportError: libcudart.so.13: cannot open shared object file"
+    assert points[-1]["status"] == run_gpu.BROKEN_PACKAGE
+    assert "torch does not import" in done.stdout
 
 
 @pytest.mark.slow

@@ -116,7 +116,7 @@ def model_shape(name: str):
 def run(ctx: StageContext) -> int:
     points = read_points(ctx.out / POINTS_FILE)
     environment = next((p for p in points if p["kind"] == "environment"), {})
-    device = (environment.get("cuda_device") or {}).get("name")
+    device = (next((p for p in points if p["kind"] == "device"), {}).get("cuda_device") or {}).get("name")
     values, origin, dropped = build(points)
     gpu = gpu_kind(device)
     if gpu is not None:

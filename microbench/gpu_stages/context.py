@@ -9,8 +9,9 @@ from pathlib import Path
 
 from .points import PointLog
 
-# Exit status of a stage: every check passed / a check failed / no CUDA GPU where one is needed.
-PASSED, CHECK_FAILED, NO_GPU = 0, 1, 3
+# Exit status of a stage: every check passed / a check failed / no CUDA GPU where one is needed /
+# a required package is installed but does not import.
+PASSED, CHECK_FAILED, NO_GPU, BROKEN = 0, 1, 3, 5
 
 
 @dataclass
