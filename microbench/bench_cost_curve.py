@@ -333,6 +333,23 @@ class CurveRun:
         self.rows.append(row)
         return row
 
+    def measure_new_tokens(self, gpu_context: int, rounds: int, warmup: int = 1) -> dict:
+        """Time the new tokens of ``gpu_context``'s next request as a batch of their own, over the
+        resident history (median of ``rounds`` after ``warmup``). The front and tail requests have
+        the same tokens, so their times alone cannot tell a batch's overhead from its per-token
+        cost: this third batch, of other tokens, lets one context fit all three prefill constants
+        (``calibration_points``). Returns the fields to add to the context's row."""
+        setup, model, pool = self.setup, self.model, self.pool
+        context = gpu_context // setup.scale
+        table = torch.arange(context + setup.append, dtype=torch.int32)[None]
+        batch = EngineBatch.build(self.tokens[context : context + setup.append], table,
+                                  [[0, 0, context, setup.append]])
+        self._sync()
+        times = [elapsed(lambda: model.forward(batch, pool, logits_rows=[setup.append - 1]), self.device,
+                         setup.clock) for _ in range(warmup + rounds)][warmup:]
+        return {"new_tokens_seconds": _pick(times, setup.timing),
+                "new_tokens_attention_pairs": int(self.cost.attention_pairs(context, context + setup.append))}
+
     def summary(self) -> dict:
         """Everything written to ``cost_curve_<kind>.json``."""
         setup = self.setup
@@ -387,7 +404,8 @@ class CurveRun:
 
 def calibration_points(rows: list[dict], c_lin: float) -> list[tuple[float, float, float]]:
     """``(linear_units, attention_pairs, seconds)`` of every timed batch of ``rows`` (both requests
-    of each context, and the history's prefill when it ran): ``fit_calibration``'s points."""
+    of each context, the history's prefill when it ran, the new tokens alone when they were
+    timed): ``fit_calibration``'s points."""
     points = []
     for row in rows:
         tokens = row["query_tokens"]
@@ -395,6 +413,8 @@ def calibration_points(rows: list[dict], c_lin: float) -> list[tuple[float, floa
         points.append((c_lin * tokens, row["tail_attention_pairs"], row["tail_seconds"]))
         if row["prefill_seconds"] is not None:
             points.append((c_lin * row["context"], row["history_attention_pairs"], row["prefill_seconds"]))
+        if row.get("new_tokens_seconds") is not None:
+            points.append((c_lin * row["append"], row["new_tokens_attention_pairs"], row["new_tokens_seconds"]))
     return points
 
 

@@ -141,11 +141,30 @@ def test_the_decode_grid_starts_with_its_corners():
     assert sorted(points) == sorted((b, n) for b in (1, 4, 8) for n in (1024, 2048, 131072))
 
 
-def _context(gpu_context, front, tail, pairs_front, pairs_tail, tokens):
+def _context(gpu_context, front, tail, pairs_front, pairs_tail, tokens, **new_tokens):
     return {"stage": "cost_curve", "kind": "context", "model": "qwen3-8b", "c_lin": 23552.0,
             "gpu_context": gpu_context, "context": gpu_context, "query_tokens": tokens, "front_seconds": front,
             "tail_seconds": tail, "front_attention_pairs": pairs_front, "tail_attention_pairs": pairs_tail,
-            "prefill_seconds": None, "history_attention_pairs": None}
+            "prefill_seconds": None, "history_attention_pairs": None, "append": 512, **new_tokens}
+
+
+def test_the_first_context_alone_gives_the_three_prefill_constants():
+    """Its front and tail requests have the same tokens; the new tokens timed alone tell the
+    batch's overhead from its per-token cost."""
+    overhead, per_unit, per_pair = 3e-3, 2e-13, 3e-13
+    tokens, context = int(0.3 * 8192) + 512, 8192
+
+    def seconds(units_tokens, pairs):
+        return overhead + per_unit * 23552 * units_tokens + per_pair * pairs
+
+    pairs = {"front": tokens * (2048 + tokens // 2), "tail": tokens * context, "new": 512 * (context + 256)}
+    row = _context(context, seconds(tokens, pairs["front"]), seconds(tokens, pairs["tail"]), pairs["front"],
+                   pairs["tail"], tokens, new_tokens_seconds=seconds(512, pairs["new"]),
+                   new_tokens_attention_pairs=pairs["new"])
+    values, origin, dropped = calibration.build([row])
+    assert values["batch_overhead"] == pytest.approx(overhead, rel=1e-6)
+    assert values["sec_per_linear_unit"] == pytest.approx(per_unit, rel=1e-6)
+    assert values["sec_per_attention_pair"] == pytest.approx(per_pair, rel=1e-6)
 
 
 def synthetic_points():

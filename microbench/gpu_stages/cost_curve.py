@@ -5,8 +5,10 @@ model's prediction and the paper's figures (1.14x at 8K, 2.93x at 128K on an H10
 ``bench_cost_curve.CurveRun`` on its GPU setup (Qwen3-8B's shape, random bf16 weights, the Triton
 kernel through the reference engine). 8K and 128K first, the paper's two points, then 16K, 32K and
 64K; a context that would not finish before the stage's deadline gets one round, else is skipped.
-Each context is one ``context`` point the moment it is measured; ``cost_curve.png`` at the end,
-with ``PLOT_SECONDS`` kept for it (else it is skipped).
+Each context is one ``context`` point the moment it is measured, with its new tokens timed alone
+too (``CurveRun.measure_new_tokens``: so that even the first context alone fits the calibration's
+three prefill constants); ``cost_curve.png`` at the end, with ``PLOT_SECONDS`` kept for it (else
+it is skipped).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def run(ctx: StageContext) -> int:
         rounds, warmup = plan
         # Interpreted on the CPU there is nothing to warm up, and the times are not the point.
         row = curve.measure(gpu_context, rounds=rounds, warmup=warmup if ctx.full else 0)
+        # A third fit point: a curve cut after its first context still gives the prefill constants.
+        row.update(curve.measure_new_tokens(gpu_context, rounds=rounds, warmup=warmup if ctx.full else 0))
         ctx.log.write("context", **about, **row)
     if not curve.rows:
         return PASSED
