@@ -20,6 +20,9 @@ import run_gpu  # noqa: E402
 from gpu_stages.points import POINTS_FILE, read_points  # noqa: E402
 from stage_group import StopSignals  # noqa: E402
 
+from penelope.cli import main as penelope_main  # noqa: E402
+from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS  # noqa: E402
+
 # Stages written for these tests, run by the real run_stage.py (found through PYTHONPATH).
 FAKE_STAGES = {
     "fake_env": """
@@ -418,12 +421,14 @@ def test_a_torch_that_does_not_import_stops_the_run_after_the_facts_without_it(t
 
 @pytest.mark.slow
 def test_a_reduced_run_on_the_cpu_passes_every_stage(tmp_path):
-    """Every stage's code path with reduced shapes, the kernels interpreted (about 80 s on 2 cores)."""
+    """Every stage's code path with reduced shapes, the kernels interpreted (about 60 s on 2 cores,
+    120 s while the machine is shared), and the calibration it writes read by the simulator."""
+    out = tmp_path / "out"
     began = time.monotonic()
-    done = _script(tmp_path, "--out", str(tmp_path), "--shapes", "reduced")
-    assert done.returncode == 0, done.stdout + done.stderr + (tmp_path / "run_gpu.log").read_text()[-3000:]
+    done = _script(tmp_path, "--out", str(out), "--shapes", "reduced")
+    assert done.returncode == 0, done.stdout + done.stderr + (out / "run_gpu.log").read_text()[-3000:]
     assert time.monotonic() - began < run_gpu.DEFAULT_BUDGET
-    points = read_points(tmp_path / POINTS_FILE)
+    points = read_points(out / POINTS_FILE)
     kinds = {(p["stage"], p["kind"]) for p in points}
     assert {("attention", "check"), ("attention", "speed"), ("cost_curve", "context"), ("swap", "copy"),
             ("swap", "overlap"), ("decode", "step"), ("phantom", "phantom"), ("calibration", "calibration")} <= kinds
@@ -434,10 +439,21 @@ def test_a_reduced_run_on_the_cpu_passes_every_stage(tmp_path):
     unavailable = {p["provider"]: p["reason"] for p in points if p["kind"] == "unavailable"}
     assert "sdpa_cudnn" in unavailable
     assert all(p["matches_ours"] for p in points if p["kind"] == "speed" and "matches_ours" in p)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration_reduced.json", "cost_curve.png", POINTS_FILE,
-                                                         "run_gpu.log"]
-    calibration = json.loads((tmp_path / "calibration_reduced.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == ["calibration_reduced.json", "cost_curve.png", POINTS_FILE,
+                                                    "run_gpu.log"]
+    calibration = json.loads((out / "calibration_reduced.json").read_text())
     assert calibration["model"] == "tiny" and "decode_overhead" in calibration
     assert "simulator estimates kept" in calibration["source"]
     # The stage read its file back through the simulator's own reader.
-    assert read_points(tmp_path / POINTS_FILE, kind="calibration")[0]["read_back"] is True
+    assert read_points(out / POINTS_FILE, kind="calibration")[0]["read_back"] is True
+    # And `penelope simulate` runs on it, the tiny model given by its config.json (a folder named
+    # after the model): the values it simulates with are the file's.
+    config = tmp_path / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(BUILTIN_ENGINE_CONFIGS["tiny"].to_hf()))
+    assert penelope_main(["simulate", "--no-progress", "--limit-sessions", "1", "--model", str(config),
+                          "--calibration", str(out / "calibration_reduced.json"),
+                          "--json", str(tmp_path / "sim.json")]) == 0
+    time_model = json.loads((tmp_path / "sim.json").read_text())["config"]["time_model"]
+    measured = read_points(out / POINTS_FILE, kind="calibration")[0]["measured"]
+    assert measured and all(time_model[key] == calibration[key] for key in measured)
