@@ -9,9 +9,11 @@ own limit (``STAGES``), never past what is left of ``--budget`` less the calibra
 environment, attention, cost_curve, swap, decode, phantom (``gpu_stages/``), then calibration,
 which always runs and writes the simulator's calibration file last. Every measured point is
 appended to ``DIR/points.jsonl`` the moment it is measured, so a stage killed at its limit keeps
-what it had; the runner adds one ``status`` point per stage. ``DIR/run_gpu.log`` holds the stages'
-output and ``nvidia-smi``. ``--shapes reduced`` runs every stage on the CPU with the kernels
-interpreted (the code paths, not the figures).
+what it had; the runner adds one ``status`` point per stage (with the count of points it skipped
+for lack of time). ``DIR/run_gpu.log`` holds the stages' output and ``nvidia-smi``; a run first
+removes the files an earlier one left there (``gpu_stages/files.py``). ``--shapes reduced`` runs
+every stage on the CPU with the kernels interpreted, under limits sized for that (the code paths,
+not the figures).
 
 SIGINT, SIGTERM or SIGHUP (``stage_group.py``): the running stage is killed with its process group
 and recorded ``INTERRUPTED``, the stages after it do not start, the calibration still runs on the
