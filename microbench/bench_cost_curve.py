@@ -333,6 +333,23 @@ class CurveRun:
         self.rows.append(row)
         return row
 
+    def measure_new_tokens(self, gpu_context: int, rounds: int, warmup: int = 1) -> dict:
+        """Time the new tokens of ``gpu_context``'s next request as a batch of their own, over the
+        resident history (median of ``rounds`` after ``warmup``). The front and tail requests have
+        the same tokens, so their times alone cannot tell a batch's overhead from its per-token
+        cost: this third batch, of other tokens, lets one context fit all three prefill constants
+        (``calibration_points``). Returns the fields to add to the context's row."""
+        setup, model, pool = self.setup, self.model, self.pool
+        context = gpu_context // setup.scale
+        table = torch.arange(context + setup.append, dtype=torch.int32)[None]
+        batch = EngineBatch.build(self.tokens[context : context + setup.append], table,
+                                  [[0, 0, context, setup.append]])
+        self._sync()
+        times = [elapsed(lambda: model.forward(batch, pool, logits_rows=[setup.append - 1]), self.device,
+                         setup.clock) for _ in range(warmup + rounds)][warmup:]
+        return {"new_tokens_seconds": _pick(times, setup.timing),
+                "new_tokens_attention_pairs": int(self.cost.attention_pairs(context, context + setup.append))}
+
     def summary(self) -> dict:
         """Everything written to ``cost_curve_<kind>.json``."""
         setup = self.setup
@@ -387,7 +404,8 @@ class CurveRun:
 
 def calibration_points(rows: list[dict], c_lin: float) -> list[tuple[float, float, float]]:
     """``(linear_units, attention_pairs, seconds)`` of every timed batch of ``rows`` (both requests
-    of each context, and the history's prefill when it ran): ``fit_calibration``'s points."""
+    of each context, the history's prefill when it ran, the new tokens alone when they were
+    timed): ``fit_calibration``'s points."""
     points = []
     for row in rows:
         tokens = row["query_tokens"]
@@ -395,6 +413,8 @@ def calibration_points(rows: list[dict], c_lin: float) -> list[tuple[float, floa
         points.append((c_lin * tokens, row["tail_attention_pairs"], row["tail_seconds"]))
         if row["prefill_seconds"] is not None:
             points.append((c_lin * row["context"], row["history_attention_pairs"], row["prefill_seconds"]))
+        if row.get("new_tokens_seconds") is not None:
+            points.append((c_lin * row["append"], row["new_tokens_attention_pairs"], row["new_tokens_seconds"]))
     return points
 
 
@@ -476,16 +496,18 @@ def _record(benchmark, run: CurveRun, row: dict) -> None:
     )
 
 
-def rounds_within_budget(run: CurveRun, gpu_context: int) -> tuple[int, int] | str:
-    """``(rounds, warmup)`` that measure one context within what is left of the setup's time budget:
-    all rounds, else (the largest contexts matter most) one round and no warm-up; else why not."""
+def rounds_within_budget(run: CurveRun, gpu_context: int, left: float | None = None) -> tuple[int, int] | str:
+    """``(rounds, warmup)`` that measure one context within ``left`` seconds (default: what is left
+    of the setup's time budget): all rounds, else (the largest contexts matter most) one round and
+    no warm-up; else why not."""
     context = gpu_context // run.setup.scale
-    left = run.setup.budget_s - (time.perf_counter() - run.started)
+    if left is None:
+        left = run.setup.budget_s - (time.perf_counter() - run.started)
     for rounds, warmup in ((run.setup.rounds, 1), (1, 0)):
         expected = run.estimate_seconds(context, rounds, warmup)
-        if expected <= left:
+        if 0 < left and expected <= left:
             return rounds, warmup
-    return f"time budget: about {expected:.0f} s needed, {left:.0f} s left of {run.setup.budget_s:.0f} s"
+    return f"time budget: about {expected:.0f} s needed, {max(left, 0):.0f} s left"
 
 
 def _measure_or_skip(run: CurveRun, benchmark, gpu_context: int) -> dict:

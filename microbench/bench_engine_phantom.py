@@ -26,6 +26,7 @@ The pool holds random K/V for the resident history (its values do not change the
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -110,14 +111,26 @@ class PhantomBatching:
         """Seconds of one call: CUDA events on a GPU, the thread's CPU time on CPU."""
         return elapsed(fn, self.device, clock="thread")
 
-    def compare(self, rounds: int, pick) -> dict:
-        """Interleaved rounds of both ways (after one warm-up each); `pick` reduces each's times."""
+    def compare(self, rounds: int, pick, fits=None) -> dict | None:
+        """Interleaved rounds of both ways (after one warm-up each); `pick` reduces each's times.
+        `fits(seconds)`, when given, is asked before each round (the warm-up's seconds, then the last
+        round's) whether one more still fits: the rounds stop at the first no (None: not one did)."""
+        began = time.perf_counter()
         self.one_batch()
         self.two_batches()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the warm-up's seconds include its GPU work
+        last = time.perf_counter() - began
         one, two = [], []
         for _ in range(rounds):
+            if fits is not None and not fits(last):
+                break
+            began = time.perf_counter()
             one.append(self.time(self.one_batch))
             two.append(self.time(self.two_batches))
+            last = time.perf_counter() - began
+        if not one:
+            return None
         return {"one_batch_s": pick(one), "two_batches_s": pick(two), "ratio": pick(one) / pick(two),
                 "one_batch_rounds_s": one, "two_batches_rounds_s": two}
 

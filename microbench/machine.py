@@ -30,7 +30,16 @@ def versions(packages=PACKAGES) -> dict[str, str]:
 
 
 def git(*args: str) -> str | None:
-    """``git args`` in the repository, stripped; None when git or the repository is missing."""
+    """``git args`` in the repository, stripped; None when git or the repository is missing, and
+    when the tree is a copy without ``.git`` inside some other repository (whose commit is not the
+    tree's): the repository git finds must have this tree as its root."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != REPO.resolve():
+        return None
+    return _git(*args)
+
+
+def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -9,5 +9,5 @@
 # python3). Exit status: 0 every stage passed; 1 a stage failed, timed out or was skipped; 3 no
 # CUDA GPU; 4 bad arguments; 5 a required package is missing. See microbench/run_gpu.py.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" microbench/run_gpu.py "$@"
+# No cd: a relative --out or $OUT is the caller's (run_gpu.py finds the repository by its own path).
+exec "${PYTHON:-python3}" "$(dirname "$0")/run_gpu.py" "$@"

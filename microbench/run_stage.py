@@ -4,8 +4,8 @@
 
 Imports Penelope from the working tree (``gpu_stages/source_tree.py``), then runs ``run(ctx)`` of
 the module ``gpu_stages.NAME`` (or ``--module``), whose points go to ``DIR/points.jsonl``. Exits with
-the stage's status (``gpu_stages/context.py``); an exception is written as an ``error`` point and
-exits 1.
+the stage's status (``gpu_stages/context.py``), after an ``end`` point with that status; an
+exception is written as an ``error`` point and exits 1.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
         module = importlib.import_module(args.module or f"gpu_stages.{args.name}")
         deadline = began + args.limit - min(MARGIN, 0.2 * args.limit)
-        return module.run(StageContext(log, args.out, args.shapes == "full", deadline))
+        code = module.run(StageContext(log, args.out, args.shapes == "full", deadline))
+        # The stage's work is done: a kill during the interpreter's teardown does not undo its status.
+        log.write("end", returncode=code, seconds=round(time.monotonic() - began, 1))
+        return code
     except Exception as error:
         log.write("error", error=f"{type(error).__name__}: {error}"[:1000], traceback=traceback.format_exc()[-4000:])
         traceback.print_exc()

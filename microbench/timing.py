@@ -39,11 +39,13 @@ def time_calls(fn: Callable[[], object], device: torch.device, rounds: int, warm
     return [elapsed(fn, device, clock) for _ in range(rounds)]
 
 
-def bench_seconds(fn: Callable[[], object], device: torch.device, rep_ms: int = 100, cpu_rounds: int = 2) -> float:
+def bench_seconds(fn: Callable[[], object], device: torch.device, rep_ms: int = 100, cpu_rounds: int = 2,
+                  cpu_warmup: int = 1) -> float:
     """Median seconds of a kernel call: on a GPU ``triton.testing.do_bench`` (L2 flushed before each
-    call, as many calls as fill ``rep_ms``), else ``cpu_rounds`` wall-clock calls after one warm-up."""
+    call, as many calls as fill ``rep_ms``), else ``cpu_rounds`` wall-clock calls after
+    ``cpu_warmup`` untimed ones."""
     if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
-    return statistics.median(time_calls(fn, device, cpu_rounds, warmup=1))
+    return statistics.median(time_calls(fn, device, cpu_rounds, warmup=cpu_warmup))

@@ -2,8 +2,10 @@
 the working tree by its package-dir mapping, the copy/compute overlap measurement, the decode grid's
 order and the calibration built from points."""
 
+import importlib
 import json
 import math
+import statistics
 import sys
 import threading
 import time
@@ -17,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "microbench"))
 
 import overlap  # noqa: E402
-from gpu_stages import calibration, decode, source_tree  # noqa: E402
+from gpu_stages import calibration, decode, phantom, source_tree  # noqa: E402
+from gpu_stages.context import PASSED, StageContext  # noqa: E402
 from gpu_stages.points import PointLog, read_points  # noqa: E402
 
 from penelope.sim.timemodel import TimeModel  # noqa: E402
@@ -45,6 +48,26 @@ def test_a_line_cut_by_a_kill_is_skipped(tmp_path):
     with path.open("a") as handle:
         handle.write('{"stage": "attention", "kind": "spe')
     assert [p["tflops"] for p in read_points(path)] == [400.0]
+
+
+def test_arrays_and_tensors_of_several_values_are_written_as_lists(tmp_path):
+    path = tmp_path / "points.jsonl"
+    PointLog(path, "attention").write("speed", times=np.array([1.5, 2.5]), grid=torch.tensor([[1, 2], [3, 4]]),
+                                      one=torch.tensor(7), scalar=np.int64(3))
+    point = read_points(path)[0]
+    assert point["times"] == [1.5, 2.5] and point["grid"] == [[1, 2], [3, 4]]
+    assert point["one"] == 7 and point["scalar"] == 3
+
+
+def test_a_point_written_after_a_cut_line_starts_on_its_own_line(tmp_path):
+    # A stage killed mid-write leaves a line without its newline; the next stage's point must not join it.
+    path = tmp_path / "points.jsonl"
+    PointLog(path, "attention").write("speed", tflops=400.0)
+    with path.open("a") as handle:
+        handle.write('{"stage": "attention", "kind": "spe')
+    PointLog(path, "runner").write("status", status="TIMED OUT")
+    assert [p["kind"] for p in read_points(path)] == ["speed", "status"]
+    assert path.read_text().endswith("\n")
 
 
 def test_the_working_tree_is_imported_through_its_package_dir_mapping(tmp_path, monkeypatch):
@@ -118,18 +141,37 @@ def test_the_decode_grid_starts_with_its_corners():
     assert sorted(points) == sorted((b, n) for b in (1, 4, 8) for n in (1024, 2048, 131072))
 
 
-def _context(gpu_context, front, tail, pairs_front, pairs_tail, tokens):
+def _context(gpu_context, front, tail, pairs_front, pairs_tail, tokens, **new_tokens):
     return {"stage": "cost_curve", "kind": "context", "model": "qwen3-8b", "c_lin": 23552.0,
             "gpu_context": gpu_context, "context": gpu_context, "query_tokens": tokens, "front_seconds": front,
             "tail_seconds": tail, "front_attention_pairs": pairs_front, "tail_attention_pairs": pairs_tail,
-            "prefill_seconds": None, "history_attention_pairs": None}
+            "prefill_seconds": None, "history_attention_pairs": None, "append": 512, **new_tokens}
+
+
+def test_the_first_context_alone_gives_the_three_prefill_constants():
+    """Its front and tail requests have the same tokens; the new tokens timed alone tell the
+    batch's overhead from its per-token cost."""
+    overhead, per_unit, per_pair = 3e-3, 2e-13, 3e-13
+    tokens, context = int(0.3 * 8192) + 512, 8192
+
+    def seconds(units_tokens, pairs):
+        return overhead + per_unit * 23552 * units_tokens + per_pair * pairs
+
+    pairs = {"front": tokens * (2048 + tokens // 2), "tail": tokens * context, "new": 512 * (context + 256)}
+    row = _context(context, seconds(tokens, pairs["front"]), seconds(tokens, pairs["tail"]), pairs["front"],
+                   pairs["tail"], tokens, new_tokens_seconds=seconds(512, pairs["new"]),
+                   new_tokens_attention_pairs=pairs["new"])
+    values, origin, dropped = calibration.build([row])
+    assert values["batch_overhead"] == pytest.approx(overhead, rel=1e-6)
+    assert values["sec_per_linear_unit"] == pytest.approx(per_unit, rel=1e-6)
+    assert values["sec_per_attention_pair"] == pytest.approx(per_pair, rel=1e-6)
 
 
 def synthetic_points():
     """Points of a run whose times follow known constants."""
     overhead, per_unit, per_pair = 3e-3, 2e-13, 3e-13
-    points = [{"stage": "environment", "kind": "environment", "commit": None, "tree_fingerprint": "ab" * 20,
-               "cuda_device": {"name": "NVIDIA H200"}}]
+    points = [{"stage": "environment", "kind": "environment", "commit": None, "tree_fingerprint": "ab" * 20},
+              {"stage": "environment", "kind": "device", "cuda_device": {"name": "NVIDIA H200"}}]
     for context in (8192, 131072, 32768):
         tokens = int(0.3 * context) + 512
         pairs_front, pairs_tail = tokens * (2048 + tokens // 2), tokens * context
@@ -198,3 +240,127 @@ def test_a_calibration_with_nothing_measured_fails_its_stage(tmp_path):
     ctx = StageContext(PointLog(tmp_path / "points.jsonl", "calibration"), tmp_path, full=False, deadline=math.inf)
     assert calibration.run(ctx) == CHECK_FAILED
     assert "measured nothing" in json.loads((tmp_path / "calibration_reduced.json").read_text())["source"]
+
+
+class JumpingClock:
+    """A stage's clock that jumps far past any deadline once the stage has measured its first point."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class JumpAfterFirstPoint(PointLog):
+    """Once a point of a kind in ``measured`` is written, ``clock`` jumps to ``left`` seconds before
+    ``deadline`` (default: far past it)."""
+
+    def __init__(self, path, stage, clock, measured, deadline=0.0, left=-1e9):
+        super().__init__(path, stage)
+        self.clock, self.measured, self.deadline, self.left_after = clock, measured, deadline, left
+
+    def write(self, kind, **fields):
+        point = super().write(kind, **fields)
+        if kind in self.measured and self.clock.offset == 0.0:
+            self.clock.offset = self.deadline - self.left_after - time.monotonic()
+        return point
+
+
+# What each stage measures, by kind of point.
+MEASURED = {"attention": ("check", "speed"), "cost_curve": ("context",), "swap": ("copy", "overlap", "pin"),
+            "decode": ("step",), "phantom": ("phantom",)}
+
+
+@pytest.mark.parametrize("name", ["attention", "cost_curve", "swap", "decode"])
+def test_every_stage_checks_its_deadline_between_points(name, tmp_path, one_torch_thread):
+    """Reduced shapes, in this process: once the first point is in, the deadline has passed, so every
+    later point is skipped (and says so) instead of being measured past it."""
+    clock, deadline = JumpingClock(), time.monotonic() + 3600
+    log = JumpAfterFirstPoint(tmp_path / "points.jsonl", name, clock, MEASURED[name], deadline)
+    ctx = StageContext(log, tmp_path, full=False, deadline=deadline, clock=clock)
+    assert importlib.import_module(f"gpu_stages.{name}").run(ctx) == PASSED
+    points = read_points(tmp_path / "points.jsonl")
+    assert len([p for p in points if p["kind"] in MEASURED[name]]) == 1
+    skipped = [p for p in points if p["kind"] == "skipped"]
+    assert skipped and all(p["reason"] for p in skipped)
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_a_stage_past_its_deadline_measures_nothing(name, tmp_path, one_torch_thread):
+    ctx = StageContext(PointLog(tmp_path / "points.jsonl", name), tmp_path, full=False,
+                       deadline=time.monotonic() - 1)
+    began = time.monotonic()
+    assert importlib.import_module(f"gpu_stages.{name}").run(ctx) == PASSED
+    points = read_points(tmp_path / "points.jsonl")
+    assert points and not [p for p in points if p["kind"] in MEASURED[name]]
+    assert all(p["kind"] in ("skipped", "unavailable") for p in points)
+    assert time.monotonic() - began < 60
+
+
+def test_phantom_rounds_stop_at_the_first_that_does_not_fit(one_torch_thread):
+    batching = phantom.PhantomBatching(phantom.REDUCED, phantom.REDUCED.contexts[0], torch.device("cpu"))
+    asked = []
+
+    def fits(seconds):
+        asked.append(seconds)
+        return len(asked) < 2
+
+    figures = batching.compare(5, statistics.median, fits=fits)
+    # Asked before each round, with the warm-up's seconds, then the last round's.
+    assert len(asked) == 2 and all(seconds > 0 for seconds in asked)
+    assert len(figures["one_batch_rounds_s"]) == len(figures["two_batches_rounds_s"]) == 1
+
+
+def test_the_cost_curve_draws_its_plot_only_with_time_left_for_it(tmp_path, one_torch_thread):
+    """Measuring stops early enough for the summary and the plot; without the time for a plot, the
+    summary is written and the plot skipped, so the stage ends before its deadline."""
+    from gpu_stages import cost_curve
+
+    clock, deadline = JumpingClock(), time.monotonic() + 3600
+    log = JumpAfterFirstPoint(tmp_path / "points.jsonl", "cost_curve", clock, ("context",), deadline,
+                              left=cost_curve.PLOT_SECONDS / 2)
+    ctx = StageContext(log, tmp_path, full=False, deadline=deadline, clock=clock)
+    assert cost_curve.run(ctx) == PASSED
+    points = read_points(tmp_path / "points.jsonl")
+    assert [p["kind"] for p in points if p["kind"] != "skipped"] == ["context", "summary"]
+    assert [p["what"] for p in points if p["kind"] == "skipped"][-1] == "plot"
+    assert not (tmp_path / "cost_curve.png").exists()
+
+
+def test_the_next_batch_is_estimated_by_its_work_not_by_twice_the_last(tmp_path):
+    from gpu_stages import attention
+    from gpu_stages.context import Pace
+
+    shape = attention.QWEN3_8B
+    before, after = attention.batch_work(32 * 1024, "tail", shape), attention.batch_work(128 * 1024, "front", shape)
+    # The 128K hole alone is 39K tokens: 3.2 times the causal work of the 32K tail before it.
+    assert after / before == pytest.approx(3.17, abs=0.01)
+    clock = JumpingClock()
+    ctx = StageContext(PointLog(tmp_path / "points.jsonl", "attention"), tmp_path, full=True,
+                       deadline=clock() + 35, clock=clock)
+    pace = Pace(ctx)
+    assert pace.has_time(before, what="timed batch")
+    clock.offset += 10  # the 32K batch took 10 s: 25 s left, more than twice that
+    pace.done()
+    assert not pace.has_time(after, what="timed batch", context=128 * 1024)
+    skipped = read_points(tmp_path / "points.jsonl", kind="skipped")[0]
+    assert skipped["context"] == 128 * 1024 and skipped["reason"].startswith("about 31.7 s needed")
+
+
+def test_a_copy_inside_another_repository_records_no_commit(tmp_path, monkeypatch):
+    """A tree without .git unpacked inside some other git checkout: that checkout's commit is not
+    this tree's (the fingerprint identifies it instead)."""
+    import subprocess
+
+    import machine
+
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    git = ["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "outer"], check=True)
+    monkeypatch.setattr(machine, "REPO", outer / "copy")
+    assert machine.git("rev-parse", "HEAD") is None
+    monkeypatch.setattr(machine, "REPO", outer)
+    assert len(machine.git("rev-parse", "HEAD")) == 40

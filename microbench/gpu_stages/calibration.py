@@ -33,6 +33,7 @@ from penelope.sim.calibration import fit_calibration
 from penelope.sim.timemodel import CALIBRATION_KEYS, RANGES, TimeModel, write_calibration
 
 from .context import CHECK_FAILED, PASSED, StageContext
+from .files import calibration_file
 from .points import POINTS_FILE, read_points
 
 FA_CLASS = ("sdpa_flash", "sdpa_cudnn", "sdpa_math")
@@ -115,7 +116,7 @@ def model_shape(name: str):
 def run(ctx: StageContext) -> int:
     points = read_points(ctx.out / POINTS_FILE)
     environment = next((p for p in points if p["kind"] == "environment"), {})
-    device = (environment.get("cuda_device") or {}).get("name")
+    device = (next((p for p in points if p["kind"] == "device"), {}).get("cuda_device") or {}).get("name")
     values, origin, dropped = build(points)
     gpu = gpu_kind(device)
     if gpu is not None:
@@ -128,7 +129,7 @@ def run(ctx: StageContext) -> int:
     values["source"] = (f"microbench/run_gpu.py on {device or 'cpu'} at {identity}, "
                         f"{'full' if ctx.full else 'reduced'} shapes: measured {measured}; "
                         f"simulator estimates kept: {', '.join(estimates)}")
-    path = ctx.out / f"calibration_{'gpu' if ctx.full else 'reduced'}.json"
+    path = ctx.out / calibration_file(ctx.full)
     path.unlink(missing_ok=True)
     write_calibration(path, values)
     readable = None

@@ -6,12 +6,12 @@ The corners of the grid come first (the smallest and largest bytes read at batch
 and 4), so a stage stopped early still leaves points the fit can use; a point that the last
 one's time says would pass the deadline is skipped, and so is one whose KV does not fit the GPU
 beside the weights (batch 8 at 128K needs 155 GB). Each step is one ``step`` point, with the bytes
-the fit needs; the fit itself is the calibration stage's.
+the fit needs; the fit itself is the calibration stage's. The next point's time is estimated as
+the last one's scaled by the bytes each reads.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +20,7 @@ from bench_decode import BATCHES, CONTEXTS, DecodeRun, gpu_pool_capacity
 
 from penelope.engine.decoder_config import BUILTIN_ENGINE_CONFIGS, EngineModelConfig
 
-from .context import PASSED, StageContext
+from .context import PASSED, Pace, StageContext
 
 
 @dataclass(frozen=True)
@@ -55,18 +55,14 @@ def run(ctx: StageContext) -> int:
     read = decode.read
     about = dict(model=setup.config.name, dtype=str(setup.dtype).removeprefix("torch."), weight_bytes=read.weights,
                  embedding_row_bytes=read.embedding_row, kv_bytes_per_token=read.kv_per_token)
-    last = 0.0
+    pace = Pace(ctx)
     for batch, context in value_order(setup.batches, setup.contexts):
-        if 2 * last > ctx.left():
-            ctx.log.write("skipped", batch=batch, context=context,
-                          reason=f"the last point took {last:.1f} s, {ctx.left():.1f} s left")
+        if not decode.fits(batch, context):
+            ctx.log.write("skipped", batch=batch, context=context, reason="KV pool too small", pool_slots=capacity)
             continue
-        began = time.monotonic()
-        row = decode.measure(batch, context)
-        last = time.monotonic() - began
-        if row is None:
-            ctx.log.write("skipped", batch=batch, context=context, reason=decode.skipped[-1]["reason"],
-                          pool_slots=capacity)
+        # A step's time follows the bytes it reads (the weights, then the KV).
+        if not pace.has_time(read.step(batch, batch * (context + 1)), batch=batch, context=context):
             continue
-        ctx.log.write("step", **about, **row)
+        ctx.log.write("step", **about, **decode.measure(batch, context))
+        pace.done()
     return PASSED

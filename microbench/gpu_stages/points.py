@@ -2,7 +2,8 @@
 
 Each ``PointLog.write`` opens the file, appends one line and closes it, so a point is in the file
 (the kernel's page cache) the moment it is measured: a stage killed at its limit loses only the
-point it was measuring. ``read_points`` skips a last line cut short by a kill.
+point it was measuring. A line cut short by a kill is ended before the next point is appended (so
+it does not swallow that point), and ``read_points`` skips it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ POINTS_FILE = "points.jsonl"
 
 
 def _plain(value: Any):
-    """JSON for what ``json`` does not know: numpy and torch scalars, dtypes, paths."""
-    if hasattr(value, "item") and callable(value.item):
-        return value.item()
-    if hasattr(value, "tolist") and callable(value.tolist):
-        return value.tolist()
+    """JSON for what ``json`` does not know: numpy and torch arrays and scalars, dtypes, paths."""
+    # ``tolist`` before ``item``: both give a scalar its Python value, only ``tolist`` takes an
+    # array of several values (``item`` raises there).
+    for method in ("tolist", "item"):
+        if callable(getattr(value, method, None)):
+            return getattr(value, method)()
     return str(value)
 
 
@@ -39,9 +41,17 @@ class PointLog:
         """Append one point; returns it as written."""
         point = {"stage": self.stage, "kind": kind, "at_s": round(time.monotonic() - self.started, 3), **fields}
         line = json.dumps(json_ready(json.loads(json.dumps(point, default=_plain))), allow_nan=False)
-        with self.path.open("a") as handle:
-            handle.write(line + "\n")
+        with self.path.open("ab+") as handle:
+            handle.write(_line_start(handle) + line.encode() + b"\n")
         return point
+
+
+def _line_start(handle) -> bytes:
+    """A newline when the file open in ``handle`` ends inside a line (one cut by a kill), else nothing."""
+    if handle.seek(0, 2) == 0:
+        return b""
+    handle.seek(-1, 2)
+    return b"" if handle.read(1) == b"\n" else b"\n"
 
 
 def read_points(path: str | Path, stage: str | None = None, kind: str | None = None) -> list[dict]:

@@ -11,6 +11,9 @@
 3. The time to pin 16 GiB of host memory (``torch.empty(pin_memory=True)``), bounded: less when
    the host has less than twice that available, or when the rate of a first 1 GiB says 16 GiB
    would not finish before the stage's deadline (the point says which).
+
+Each copy point is measured only when the last one's time says it fits before the stage's
+deadline, each overlap point when its copy's time does.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from timing import time_calls
 
 from penelope.kernels.kv_swap import copy_kv_slots, plan_exchange, run_exchange
 
-from .context import PASSED, StageContext
+from .context import PASSED, Pace, StageContext
 
 GIB = 1 << 30
 DIRECTIONS = ("h2d", "d2h")
@@ -90,9 +93,13 @@ def median_seconds(fn, device: torch.device, rounds: int) -> float:
 
 def measure_copies(ctx: StageContext, pools: Pools, setup: SwapSetup) -> dict:
     seconds = {}
+    pace = Pace(ctx)
     for direction in DIRECTIONS:
         for provider, copy in pools.copies(direction).items():
+            if not pace.has_time(what="copy", direction=direction, provider=provider):
+                continue
             seconds[direction, provider] = median_seconds(copy, ctx.device, setup.rounds)
+            pace.done()
             ctx.log.write("copy", direction=direction, provider=provider, shape=setup.shape,
                           tokens=setup.chunk_tokens, block_tokens=BLOCK_TOKENS, buffers=len(pools.gpu),
                           payload_bytes=pools.payload, seconds=seconds[direction, provider],
@@ -100,12 +107,23 @@ def measure_copies(ctx: StageContext, pools: Pools, setup: SwapSetup) -> dict:
     return seconds
 
 
+def overlap_seconds(copy_s: float, setup: SwapSetup) -> float:
+    """Seconds an overlap point takes: compute sized to the copy, the copy, and both, each run
+    ``rounds`` times after a warm-up. Copies are timed, not scaled: a point's fixed costs would
+    dwarf a small copy's seconds."""
+    return 3 * (setup.rounds + 1) * copy_s
+
+
 def measure_overlaps(ctx: StageContext, pools: Pools, setup: SwapSetup, seconds: dict) -> None:
     side = SideStream(ctx.device)
     for direction in DIRECTIONS:
         copies = pools.copies(direction)
         for provider in ("memcpy_contiguous", "triton"):
-            compute = matmul_compute(ctx.device, seconds[direction, provider])
+            copy_s = seconds.get((direction, provider))
+            if copy_s is None or not ctx.has_time(overlap_seconds(copy_s, setup), what="overlap", copy=provider,
+                                                  direction=direction):
+                continue
+            compute = matmul_compute(ctx.device, copy_s)
             figures = measure_overlap(compute, lambda copy=copies[provider]: side.start(copy), ctx.device,
                                       setup.rounds)
             ctx.log.write("overlap", copy=provider, direction=direction, payload_bytes=pools.payload, **figures)
@@ -117,6 +135,10 @@ def measure_overlaps(ctx: StageContext, pools: Pools, setup: SwapSetup, seconds:
     def start_exchange():
         return run_exchange(plan, pools.gpu, pools.host, wait=False).wait_all
 
+    # The exchange moves a chunk each way.
+    if not ctx.has_time(overlap_seconds(2 * max(seconds.values(), default=0.0), setup), what="overlap",
+                        copy="exchange", direction="both"):
+        return
     exchange_s = median_seconds(lambda: start_exchange()(), ctx.device, setup.rounds)
     figures = measure_overlap(matmul_compute(ctx.device, exchange_s), start_exchange, ctx.device, setup.rounds)
     ctx.log.write("overlap", copy="exchange", direction="both", payload_bytes=2 * pools.payload, **figures)
@@ -133,6 +155,8 @@ def pin_seconds(nbytes: int) -> float:
 
 
 def measure_pinning(ctx: StageContext, requested: int) -> None:
+    if not ctx.has_time(0.0, what=f"pinning {requested // GIB} GiB"):
+        return
     available = host_memory().get("MemAvailable", 0)
     nbytes, reasons = requested, []
     if 2 * requested > available:
