@@ -11,9 +11,11 @@ record: an exception raised wherever the runner happens to be (between ``fork`` 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from penelope.loadgen.server import group_gone
@@ -61,7 +63,7 @@ def run_group(command: list[str], limit: float, stop: StopSignals, **popen) -> t
     started; then its whole group is killed (also after an exit: what it started may still run).
     Returns ``(EXITED, exit code)``, ``(TIMED_OUT, None)`` or ``(STOPPED, None)``."""
     seen = len(stop.received)
-    process = subprocess.Popen(command, start_new_session=True, **popen)
+    process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_the_runner, **popen)
     deadline = time.monotonic() + limit
     outcome = EXITED
     try:
@@ -76,6 +78,15 @@ def run_group(command: list[str], limit: float, stop: StopSignals, **popen) -> t
     finally:
         kill_group(process)
     return outcome, process.returncode if outcome == EXITED else None
+
+
+def _die_with_the_runner() -> None:
+    """In the command's process, before it starts: be killed when the runner dies (Linux's
+    parent-death signal), so a runner killed outright, as past a machine's time limit, leaves no
+    stage running. Elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 def _exited(process: subprocess.Popen) -> bool:

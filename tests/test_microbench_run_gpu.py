@@ -457,3 +457,43 @@ def test_a_reduced_run_on_the_cpu_passes_every_stage(tmp_path):
     time_model = json.loads((tmp_path / "sim.json").read_text())["config"]["time_model"]
     measured = read_points(out / POINTS_FILE, kind="calibration")[0]["measured"]
     assert measured and all(time_model[key] == calibration[key] for key in measured)
+
+
+_KILLED_RUNNER = """
+import sys
+sys.path.insert(0, {bench!r})
+from stage_group import StopSignals, run_group
+with StopSignals() as stop:
+    run_group([sys.executable, "-c", "import time; print('stage', flush=True); time.sleep(120)"], 300, stop)
+"""
+
+
+def test_a_runner_killed_outright_leaves_no_stage():
+    """SIGKILL of the runner itself (a machine's time limit) cannot be handled: the stage, in a
+    group of its own, dies with it (parent-death signal) instead of running on."""
+    bench = str(Path(__file__).resolve().parent.parent / "microbench")
+    runner = subprocess.Popen([sys.executable, "-c", _KILLED_RUNNER.format(bench=bench)], stdout=subprocess.PIPE,
+                              text=True)
+    assert runner.stdout.readline().strip() == "stage"
+    stages = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(int(pid)) == runner.pid]
+    assert len(stages) == 1
+    runner.kill()
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(stages[0]):
+        time.sleep(0.05)
+    assert not _alive(stages[0]), "the stage outlived its killed runner"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
