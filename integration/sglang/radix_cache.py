@@ -550,7 +550,9 @@ class PenelopeRadixCache(BasePrefixCache):
 
     def stats(self) -> dict:
         """Counters for ``get_server_info``: tokens the phantoms computed and the cache's sizes."""
-        tiers = {**self.cache.counters.as_dict(), "copy": self.host_kv.executor.copy} if self.host_kv else {}
+        tiers = {**self.cache.counters.as_dict(), "copy": self.host_kv.executor.copy,
+                 "host_cached_tokens": self.cache.cpu_evictable_size() + self.cache.cpu_protected_size(),
+                 } if self.host_kv else {}
         return {**{f"tier_{name}": value for name, value in tiers.items()},
                 "host_tokens": self.host_tokens,
                 "rider_tokens": self.rider_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
