@@ -10,7 +10,9 @@ OpenAI-compatible `/v1/completions`, streamed and timed (`penelope load`).
 - `runner.py`: closed-loop and open-loop replay within bounds (`replay`, `run_load`);
 - `records.py`: per-request records and their JSONL file; `summary.py`: per-run figures and their
   intervals over repeats; `report.py`: tables and plots;
-- `server.py`: starting and stopping an SGLang server (`SGLangServer`).
+- `server.py`: starting and stopping an SGLang server (`SGLangServer`);
+- `soak.py`: a soak with faults (disconnects, aborts, flushes, bad requests) and the check of its
+  replies against a reference server.
 
 A library user probes a server, then replays:
 
