@@ -488,3 +488,25 @@ def test_slots_that_straddle_pages_are_refused():
     assert serving.allocator.available_size() == before and serving.cache.total_size() == 0
     serving.cache.insert(InsertParams(key=RadixKey(list(blocks(1, 2))), value=slots))
     serving.cache.check_invariants()
+
+
+@pytest.mark.parametrize("cpu_cache", [0, 1024])
+def test_a_flush_empties_the_cache_and_keeps_its_counters(cpu_cache):
+    """SGLang's /flush_cache resets the cache: nothing stays cached on either tier, and the
+    counters of what it did (evictions, tier moves) go on from where they were, as SGLang's own
+    counters do: a monitor reading them never sees them fall."""
+    serving = Serving(size=64 * 40, cpu_cache=cpu_cache)
+    two_sessions(serving)
+    assert serving.cache.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 128
+    before = serving.cache.stats()
+    moved = "tier_demoted_tokens" if cpu_cache else "evicted_tokens"
+    assert before[moved] == 128 and before["cached_tokens"] > 0
+    serving.cache.reset()
+    serving.allocator.clear()
+    after = serving.cache.stats()
+    assert after["cached_tokens"] == 0 and after.get("tier_host_cached_tokens", 0) == 0
+    assert {k: after[k] for k in before if k.startswith(("evict", "tier_")) and k != "tier_host_cached_tokens"} == {
+        k: v for k, v in before.items() if k.startswith(("evict", "tier_")) and k != "tier_host_cached_tokens"}
+    two_sessions(serving)
+    assert serving.cache.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 64
+    assert serving.cache.stats()[moved] == 128 + 64

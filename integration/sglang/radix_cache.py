@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -133,7 +134,13 @@ class PenelopeRadixCache(BasePrefixCache):
         self.reset()
 
     def reset(self):
-        """Forget everything (SGLang clears its allocator alongside, e.g. on flush_cache)."""
+        """Forget everything (SGLang clears its allocator alongside, e.g. on flush_cache). The
+        counters of what the cache did (evictions, tier moves) go on from where they were, as
+        SGLang's own counters do over a flush."""
+        if hasattr(self, "cache"):
+            self._earlier.update(self._cache_counters())
+        else:
+            self._earlier = Counter()
         self.slots.reset()
         if self.host_tokens:
             self.cache = TwoTierCache(self.slots.capacity, self.host_tokens, block_size=self.block_size,
@@ -548,16 +555,25 @@ class PenelopeRadixCache(BasePrefixCache):
         (slots requests hold are counted as such)."""
         self.cache.check_invariants()
 
+    def _cache_counters(self) -> Counter:
+        """What the current tree did since the last reset: evictions and tier moves."""
+        counts = Counter(evicted_tokens=self.cache.stats.evicted_tokens, evict_calls=self.cache.stats.evict_calls)
+        if self.host_kv:
+            counts.update({f"tier_{name}": value for name, value in self.cache.counters.as_dict().items()})
+        return counts
+
     def stats(self) -> dict:
-        """Counters for ``get_server_info``: tokens the phantoms computed and the cache's sizes."""
-        tiers = {**self.cache.counters.as_dict(), "copy": self.host_kv.executor.copy,
-                 "host_cached_tokens": self.cache.cpu_evictable_size() + self.cache.cpu_protected_size(),
+        """Counters for ``get_server_info``: what the cache did since the server started (flushes
+        included), tokens the phantoms computed, and the cache's sizes now."""
+        tiers = {"tier_copy": self.host_kv.executor.copy,
+                 "tier_host_cached_tokens": self.cache.cpu_evictable_size() + self.cache.cpu_protected_size(),
                  } if self.host_kv else {}
-        return {**{f"tier_{name}": value for name, value in tiers.items()},
+        # Every counter, zeros included (Counter's + would drop them).
+        now = self._cache_counters()
+        return {**{name: self._earlier[name] + value for name, value in now.items()}, **tiers,
                 "host_tokens": self.host_tokens,
                 "rider_tokens": self.rider_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
                 "duplicate_tokens": self.duplicate_tokens,
-                "evicted_tokens": self.cache.stats.evicted_tokens, "evict_calls": self.cache.stats.evict_calls,
                 "cached_tokens": self.total_size(), "block_size": self.block_size,
                 "policy": self.cache.policy.name, **book_counters(self.cache.policy),
                 "cost_model": self.cost_model.shape.name if self.cost_model is not None else "tokens"}
