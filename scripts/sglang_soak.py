@@ -104,7 +104,11 @@ def run_config(model: Path, out: Path, config: str, args) -> dict:
     with SGLangServer(server_spec(model, log, config, args.pool, args.chunk)) as server:
         print(f"{config}: server up at {server.url} after {time.monotonic() - started:.0f} s", file=sys.stderr)
         report = asyncio.run(soak(server.url, settings, progress))
-        end = after_load(server.url)
+        try:
+            end = after_load(server.url)
+        except OSError as error:
+            end = {"generates": False, "flushed": False, "held_after_flush": {}, "plugin_active": False,
+                   "counters": {}, "error": str(error)}
         alive = server.process is not None and server.process.poll() is None
         # Read before the server is stopped: its scheduler's exit on SIGTERM is logged as a crash.
         faults = server_faults(log)
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--max-requests", type=int, default=100_000)
-    parser.add_argument("--pool", type=int, default=8192, help="device pool tokens (and CPU tier tokens)")
+    parser.add_argument("--pool", type=int, default=16384, help="device pool tokens (and CPU tier tokens)")
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="folder for logs and soak.json")

@@ -1,6 +1,6 @@
 """The soak of SGLang's real HTTP server on CPU with Penelope's cache (``scripts/sglang_soak.py``),
 short: 16 closed-loop sessions for 40 s per configuration (device pool only, and two tiers), under
-eviction pressure (an 8,192-token pool against 16 histories of up to 3,072 tokens), with clients
+eviction pressure (a 16,384-token pool against 16 histories of up to 3,072 tokens), with clients
 disconnecting mid-stream, ``/abort_request``, ``/flush_cache`` during load and in quiet moments,
 prompts longer than the context and malformed requests, SGLang's strict memory checks on.
 

@@ -15,7 +15,8 @@ drawn from one seeded generator per session and per fault loop:
 - a prompt longer than the server's context every `oversize_every` seconds: a 400 that says so;
 - a malformed request every `malformed_every` seconds (`MALFORMED`): a 4xx.
 
-After a disconnect or an abort the session goes on from the prompt it sent. Bounds: `duration`
+After a disconnect or an abort the session goes on from the prompt it sent; a request that fails
+otherwise (an error status, a broken stream) ends its session. Bounds: `duration`
 seconds and `max_requests` requests; requests in flight then are read to their end, each within
 `read_timeout` seconds of silence.
 
@@ -129,12 +130,16 @@ class _Soak:
         self.gate = asyncio.Event()
         self.gate.set()
         self.in_flight = 0
+        self.failed: set[str] = set()
 
     def running(self) -> bool:
         return time.monotonic() < self.deadline and self.report.counts["sent"] < self.config.max_requests
 
-    def note(self, what: str, status: int | None, text: str) -> None:
+    def note(self, what: str, status: int | None, text: str, rid: str | None = None) -> None:
+        """An answer the soak did not expect; `rid`: the session request it failed."""
         self.report.unexpected.append((what, status, text[:200]))
+        if rid is not None:
+            self.failed.add(rid)
 
     async def session(self, index: int) -> None:
         config = self.config
@@ -151,11 +156,17 @@ class _Soak:
             fault = ("disconnect" if draw < config.disconnect_p else
                      "abort" if draw < config.disconnect_p + config.abort_p else None)
             await self.gate.wait()
+            rid = f"soak-{config.seed}-{index}-{turn}"
             self.in_flight += 1
             try:
-                output = await self.generate(f"soak-{config.seed}-{index}-{turn}", prompt, reply, fault, rng)
+                output = await self.generate(rid, prompt, reply, fault, rng)
             finally:
                 self.in_flight -= 1
+            if rid in self.failed:
+                # A request that failed (not a fault this soak made): its session ends there,
+                # so a server that went away is not sent a request a moment until the end.
+                self.report.counts["sessions_ended_by_a_failure"] += 1
+                return
             history = prompt + list(output) if output is not None else prompt
             turn += 1
             await asyncio.sleep(rng.uniform(*config.think))
@@ -173,13 +184,13 @@ class _Soak:
             async with self.http.post(self.url + "/generate", json=body) as response:
                 if response.status != 200:
                     counts["request_http_error"] += 1
-                    self.note(f"request {rid}", response.status, await response.text())
+                    self.note(f"request {rid}", response.status, await response.text(), rid)
                     return None
                 async for line in _data_lines(response, self.config.read_timeout):
                     chunk = json.loads(line)
                     if "error" in chunk:
                         counts["request_server_error"] += 1
-                        self.note(f"request {rid}", 200, line.decode(errors="replace"))
+                        self.note(f"request {rid}", 200, line.decode(errors="replace"), rid)
                         return None
                     chunks, last = chunks + 1, chunk
                     if cut_after is not None and chunks >= cut_after:
@@ -188,9 +199,10 @@ class _Soak:
                         return None
                     if fault == "abort" and aborting is None:
                         aborting = asyncio.ensure_future(self.abort(rid))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            counts["request_connection_error"] += 1
-            self.note(f"request {rid}", None, repr(error))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            # ValueError: a chunk that is not JSON.
+            counts["request_connection_error" if not isinstance(error, ValueError) else "request_broken_stream"] += 1
+            self.note(f"request {rid}", None, repr(error), rid)
             return None
         finally:
             if aborting is not None:
@@ -199,12 +211,12 @@ class _Soak:
         if finish.get("type") == "abort":
             counts["aborted" if fault == "abort" else "aborted_unasked"] += 1
             if fault != "abort":
-                self.note(f"request {rid}", 200, json.dumps(finish))
+                self.note(f"request {rid}", 200, json.dumps(finish), rid)
             return None
         output = tuple((last or {}).get("output_ids") or ())
         if finish.get("type") != "length" or len(output) != reply:
             counts["request_wrong_finish"] += 1
-            self.note(f"request {rid}", 200, f"finish {finish}, {len(output)} ids of {reply}")
+            self.note(f"request {rid}", 200, f"finish {finish}, {len(output)} ids of {reply}", rid)
             return None
         meta = last["meta_info"]
         counts["completed" if fault != "abort" else "completed_before_abort"] += 1
