@@ -8,7 +8,7 @@ import json
 import pytest
 from loadgen_stub import StubServer
 
-from penelope.cli import main
+from penelope.cli import Terminated, main
 from penelope.errors import UsageError
 from penelope.loadgen.ab_configs import ServerSetup, TLRUParams, check_applied, make_config, parse_configs
 from penelope.loadgen.ab_report import change, estimate, report_payload, report_text
@@ -219,12 +219,12 @@ class CountingStub(StubServer):
                                                                     **self.policy}}]})
 
 
-def stub_factory(started, interrupt_at=None):
+def stub_factory(started, interrupt_at=None, stop=KeyboardInterrupt):
     @contextlib.contextmanager
     def start(config, log):
         started.append(config.name)
         if interrupt_at is not None and len(started) == interrupt_at:
-            raise KeyboardInterrupt
+            raise stop
         stub = CountingStub(dict(config.expect))
         stub.policy = {"policy": config.penelope_policy} if config.penelope_policy else {}
         with stub:
@@ -237,7 +237,8 @@ def test_runner_interleaves_rounds_and_counts_each_servers_prefill(tmp_path):
     configs, baseline = parse_configs(["sglang-lru", "penelope", "sglang-tlru"], SETUP, None)
     started = []
     runner = ABRunner(configs, baseline, small_workload(), LoadConfig(sessions=2), scale=1.0, seed=5, page=16,
-                      out=tmp_path, start_server=stub_factory(started), repeats=2, vocab=1000, say=lambda line: None)
+                      out=tmp_path, start_server=stub_factory(started), repeats=2, warmup=1, vocab=1000,
+                      say=lambda line: None)
     result = runner.run()
     assert started == ["sglang-lru", "penelope", "sglang-tlru", "penelope", "sglang-tlru", "sglang-lru"]
     assert [(r.config, r.round) for r in result.runs] == [(c, r) for r, c in zip([0, 0, 0, 1, 1, 1], started,
@@ -265,3 +266,33 @@ def test_ctrl_c_keeps_the_finished_runs(tmp_path):
     assert result.paired_rounds("penelope") == [0]
     text = report_text(result)
     assert "2 of 4 runs finished (interrupted" in text and "changes against sglang-lru" in text
+
+
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_the_command_prints_and_writes_what_finished_when_stopped(tmp_path, monkeypatch, capsys, stop, code):
+    """`penelope ab` with the stand-in for SGLang: stopped while the third server starts (round 2),
+    it prints the table of the round that finished, writes it to ab.json, and exits 130 (Ctrl-C)
+    or 143 (SIGTERM)."""
+    import penelope.loadgen.ab_runner as ab_runner
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000, "max_position_embeddings": 65536}))
+    started = []
+
+    def factory(setup, env, timeout):
+        return stub_factory(started, interrupt_at=3, stop=stop)
+
+    monkeypatch.setattr(ab_runner, "sglang_server_factory", factory)
+    out = tmp_path / "out"
+    assert main(["ab", "sglang-lru", "penelope", "--model", str(model), "--pool", "65536", "--limit-sessions", "2",
+                 "--turns", "3", "--scale", "16", "--think-time", "cap:0", "--repeat", "2", "--no-plot",
+                 "--out", str(out)]) == code
+    printed = capsys.readouterr()
+    assert "2 of 4 runs finished (interrupted" in printed.out and "changes against sglang-lru" in printed.out
+    assert printed.err.strip().endswith(f"{'interrupted' if code == 130 else 'terminated'} after 2 runs; kept in "
+                                        f"{out}")
+    payload = json.loads((out / "ab.json").read_text())
+    assert payload["interrupted"] and [r["config"] for r in payload["runs"]] == ["sglang-lru", "penelope"]
+    assert payload["pairs"] == {"penelope": [0]}
+    assert len((out / "records-penelope.jsonl").read_text().splitlines()) == 6

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from penelope.integration.sglang.verify import tiny_model
+from penelope.loadgen.models import word_level_tokenizer
 from penelope.loadgen.runner import LoadConfig, check_fits, run_load
 from penelope.loadgen.server import CPU_ARGS, CPU_ENV, ServerSpec, SGLangServer
 from penelope.loadgen.summary import summarize
@@ -23,17 +24,6 @@ from penelope.sim.workloads import ThinkTime, load_workload
 
 STUB = Path(__file__).parent / "engine_stub"
 PAGE = 16
-
-
-def word_level_tokenizer(folder: Path, vocab: int) -> None:
-    """A tokenizer of the model's vocabulary (one word per id) beside its checkpoint: SGLang's
-    OpenAI API needs one; the load generator sends and reads ids, never text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1").save_pretrained(folder)
 
 
 def server_spec(model: Path, log: Path) -> ServerSpec:

@@ -64,6 +64,9 @@ def add_parser(subparsers) -> None:
     runs = parser.add_argument_group("runs")
     runs.add_argument("--repeat", type=int, default=1, metavar="N",
                       help="runs per configuration, interleaved in rotated order (default 1)")
+    runs.add_argument("--warmup", type=int, default=1, metavar="N",
+                      help="unmeasured runs of the workload after each server start, the cache flushed after "
+                      "them (default 1)")
     runs.add_argument("--keep-servers", action="store_true",
                       help="keep each configuration's server up across its repeats (cache flushed between runs; "
                       "faster, but a configuration's runs are then back to back, not interleaved)")
@@ -84,6 +87,7 @@ def add_parser(subparsers) -> None:
     runs.add_argument("--read-timeout", type=float, default=600.0, metavar="S",
                       help="a request fails after S seconds without data (default 600)")
     runs.add_argument("--no-plot", action="store_true", help="do not draw ab.png")
+    runs.add_argument("--no-progress", action="store_true", help="no progress bar (the lines per run stay)")
 
 
 def run(args) -> int:
@@ -92,6 +96,7 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
+    from penelope.commands.simulate import progress_bar
     from penelope.commands.simulate_json import write_json
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
@@ -99,13 +104,14 @@ def run(args) -> int:
     from penelope.loadgen.ab_report import plot_ab, report_payload, report_text
     from penelope.loadgen.ab_runner import ABRunner, sglang_server_factory
     from penelope.loadgen.client import Sampling
-    from penelope.loadgen.models import context_length, is_generated, model_scale, prepare_model
+    from penelope.loadgen.models import config_value, is_generated, model_scale, prepare_model
     from penelope.loadgen.runner import LoadConfig
     from penelope.loadgen.server import CPU_ENV
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_folder
     from penelope.sim.fleet_options import check_time_scale, scale_time
-    from penelope.sim.options import load_from_args
+    from penelope.sim.options import DEFAULT_MAX_CONTEXT, load_from_args
+    from penelope.units import parse_size
 
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
@@ -135,10 +141,12 @@ def run(args) -> int:
 
     model = str(prepare_model(args.model, out / "model")) if is_generated(args.model) else args.model
     if args.max_context is None:
-        # SGLang's longest prompt: min(context, pool) less its margins, in the trace's tokens.
-        context = context_length(model)
-        limit = min(args.pool, context) if context else args.pool
-        args.max_context = int((limit - 7) * args.scale)
+        # The model's context in the trace's tokens (at most the workloads' usual 128K), not the
+        # pool's: the pool must not change the workload. Requests the pool cannot hold are named
+        # before any traffic.
+        context = config_value(model, "max_position_embeddings")
+        args.max_context = min(parse_size(DEFAULT_MAX_CONTEXT, "--max-context"),
+                               int((context - 7) * args.scale)) if context else DEFAULT_MAX_CONTEXT
     workload, description = load_from_args(args, args.trace)
     if args.turns is not None:
         workload = dataclasses.replace(workload, sessions=tuple(
@@ -162,13 +170,27 @@ def run(args) -> int:
           f"token counts / {args.scale:g}; {args.repeat} run{'s' if args.repeat > 1 else ''} per configuration"
           + (", servers kept up across runs" if args.keep_servers else ", a fresh server per run"), flush=True)
 
+    per_run = workload.num_requests if args.max_requests is None else min(args.max_requests, workload.num_requests)
+    bar = progress_bar(per_run * args.repeat * len(configs), args.no_progress)
+
+    def say(line: str) -> None:
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
     env = {**CPU_ENV} if args.device == "cpu" else {}
     runner = ABRunner(configs, baseline, workload, load, scale=args.scale, seed=args.seed, page=args.page_size,
                       out=out, start_server=sglang_server_factory(setup, env, args.startup_timeout),
-                      repeats=args.repeat, keep_servers=args.keep_servers, vocab=args.vocab,
-                      say=lambda line: print(line, flush=True))
+                      repeats=args.repeat, keep_servers=args.keep_servers, warmup=args.warmup,
+                      vocab=args.vocab or config_value(model, "vocab_size"),
+                      say=say, on_record=(lambda name, record: bar.update(1)) if bar is not None else None)
     began = time.perf_counter()
-    result = runner.run()
+    try:
+        result = runner.run()
+    finally:
+        if bar is not None:
+            bar.close()
     elapsed = time.perf_counter() - began
 
     print()
@@ -189,7 +211,10 @@ def run(args) -> int:
         except ImportError:
             print("matplotlib is not installed: no plot")
     if result.interrupted:
-        raise Interrupted(f"interrupted after {len(result.runs)} runs; kept in {out}")
+        error = Interrupted(f"interrupted after {len(result.runs)} runs; kept in {out}")
+        # The CLI tells SIGTERM (exit 143) from Ctrl-C (130) by what was being handled.
+        error.__context__ = result.stop
+        raise error
     return 0
 
 

@@ -260,8 +260,10 @@ def penelope_counters(info: Mapping[str, object]) -> dict | None:
     return None
 
 
-def prefill_tokens(info: Mapping[str, object]) -> int | None:
-    """The server's prefill tokens computed so far (every forward's new tokens: prompts, chunks,
-    Penelope's hole refills), None when the server does not report them."""
-    value = (penelope_counters(info) or {}).get("prefill_tokens")
+def prefill_tokens(info: Mapping[str, object], key: str = "prefill_tokens") -> int | None:
+    """A prefill counter of the server so far, None when it reports none: `prefill_tokens`, every
+    forward's new tokens (prompts, chunks, Penelope's hole refills); `prefill_positions`, the
+    query-key pairs their attention computed (`sum n * p + n * (n - 1) / 2` over requests of `n`
+    new tokens after `p` cached ones)."""
+    value = (penelope_counters(info) or {}).get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -30,9 +30,11 @@ METRICS = (
     ("errors", "errors", "requests", DIFFERENCE, True),
     ("computed", "prefill computed", "tokens", RELATIVE, True),
     ("recomputed", "prefill recomputed", "tokens", RELATIVE, True),
+    ("positions", "prefill attention pairs", "pairs", RELATIVE, True),
 )
-TABLE_COLUMNS = ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "jct_mean", "throughput", "cached_fraction",
-                 "errors", "computed", "recomputed")
+# The metrics table in two parts, so that each fits a terminal: latency, then the cache's work.
+TABLE_COLUMNS = (("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "jct_mean", "throughput", "errors"),
+                 ("cached_fraction", "computed", "recomputed", "positions"))
 
 
 def _metric(field: str) -> tuple:
@@ -71,6 +73,11 @@ def _cell(value: Estimate | None, unit: str) -> str:
             return "n/a"
         text = f"{value.mean:,.0f}"
         return text + (f" ±{value.half_width:,.0f}" if value.has_interval else "")
+    if unit == "pairs":
+        if math.isnan(value.mean):
+            return "n/a"
+        text = f"{value.mean / 1e6:,.2f}M"
+        return text + (f" ±{value.half_width / 1e6:,.2f}M" if value.has_interval else "")
     return cell(value, unit)
 
 
@@ -90,14 +97,17 @@ def _change_cell(value: Estimate | None, kind: str) -> tuple[str, str]:
 
 
 def metrics_table(result: ABResult) -> str:
-    """One row per configuration: each metric's mean ±half-width of its 95% interval over runs."""
-    rows = []
-    for config in result.configs:
-        runs = len(result.runs_of(config.name))
-        rows.append((config.name, runs,
-                     *(_cell(estimate(result, config.name, f), _metric(f)[2]) for f in TABLE_COLUMNS)))
-    headers = ("configuration", "runs", *(f"{_metric(f)[1]}" for f in TABLE_COLUMNS))
-    return format_table(headers, rows)
+    """One row per configuration: each metric's mean ±half-width of its 95% interval over runs
+    (two tables: latency and throughput, then the cache's work)."""
+    tables = []
+    for columns in TABLE_COLUMNS:
+        rows = []
+        for config in result.configs:
+            runs = len(result.runs_of(config.name))
+            rows.append((config.name, runs,
+                         *(_cell(estimate(result, config.name, f), _metric(f)[2]) for f in columns)))
+        tables.append(format_table(("configuration", "runs", *(_metric(f)[1] for f in columns)), rows))
+    return "\n\n".join(tables)
 
 
 def changes_table(result: ABResult) -> str:

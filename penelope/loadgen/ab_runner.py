@@ -11,12 +11,17 @@ to the next. `keep_servers` starts each configuration's server once and runs all
 (the cache flushed before each, as `penelope load` does): 1-2 minutes of start-up saved per run,
 but a configuration's rounds then run back to back, not interleaved with the others'.
 
+After each start, `warmup` runs of the same workload (not measured, their records not kept) take
+the server past its first-call costs (kernels loaded, pools touched), which otherwise fall on the
+first measured run and change its timing, and with it what a timing-aware policy evicts.
+
 Before a server's first run, its `/server_info` is read back: the configuration must have been
-applied (`ab_configs.check_applied`). Around each run the server's prefill counter is read
-(`internal_states[0]["penelope"]["prefill_tokens"]`, reported by Penelope's plugin with every
-cache: every forward's new tokens); `computed` is its change over the run, and `recomputed` is
-`computed` less what a cache that never evicts would compute for the same prompts
-(`prefill_floor`).
+applied (`ab_configs.check_applied`). Around each run the server's prefill counters are read
+(`internal_states[0]["penelope"]`, reported by Penelope's plugin with every cache): `computed` is
+the change of `prefill_tokens` (every forward's new tokens) over the run, `positions` that of
+`prefill_positions` (the query-key pairs of their attention, what a recomputed token costs by its
+position), and `recomputed` is `computed` less what a cache that never evicts would compute for
+the same prompts (`prefill_floor`).
 
 Ctrl-C or SIGTERM: the run in progress is cut (its records are kept, the run is not used), the
 server is stopped, and `ABResult.interrupted` says so; the runs that finished stay.
@@ -44,6 +49,9 @@ from penelope.loadgen.summary import RunSummary, summarize
 from penelope.loadgen.target import PROBE_TIMEOUT, Target, probe_server
 from penelope.loadgen.tokens import TokenSpace
 from penelope.sim.workloads import Workload
+
+# Run numbers of warm-up runs (in their session ids), apart from the measured rounds'.
+WARMUP_REPEAT = 1_000_000
 
 
 def run_order(configs: int, repeats: int, keep_servers: bool = False) -> list[tuple[int, int]]:
@@ -73,6 +81,7 @@ class ABRun:
     start_s: float | None
     flush_error: str | None = None
     floor_error: str | None = None
+    positions: int | None = None
 
     @property
     def recomputed(self) -> int | None:
@@ -82,7 +91,7 @@ class ABRun:
 
     def value(self, metric: str) -> float:
         """A metric of `penelope.loadgen.ab_report.METRICS` (NaN when not measured)."""
-        if metric in ("computed", "floor", "recomputed"):
+        if metric in ("computed", "floor", "recomputed", "positions"):
             value = getattr(self, metric)
             return math.nan if value is None else float(value)
         return float(getattr(self.summary, metric))
@@ -90,7 +99,8 @@ class ABRun:
     def as_dict(self) -> dict:
         return {"config": self.config, "round": self.round, "position": self.position,
                 "computed_prefill_tokens": self.computed, "never_evicting_prefill_tokens": self.floor,
-                "recomputed_prefill_tokens": self.recomputed, "wall_s": self.wall, "server_start_s": self.start_s,
+                "recomputed_prefill_tokens": self.recomputed, "prefill_attention_pairs": self.positions,
+                "wall_s": self.wall, "server_start_s": self.start_s,
                 "server_log": self.log, "flush_error": self.flush_error, "floor_error": self.floor_error,
                 **self.summary.as_dict()}
 
@@ -108,6 +118,8 @@ class ABResult:
     servers: dict = field(default_factory=dict)
     interrupted: bool = False
     records: dict = field(default_factory=dict)
+    # What interrupted it (KeyboardInterrupt, or the CLI's SIGTERM subclass of it).
+    stop: BaseException | None = None
 
     def runs_of(self, name: str) -> dict[int, ABRun]:
         """round -> run of configuration `name`."""
@@ -159,7 +171,7 @@ class ABRunner:
 
     def __init__(self, configs: Sequence[ABConfig], baseline: str, workload: Workload, load: LoadConfig, *,
                  scale: float, seed: int, page: int, out: Path, start_server: ServerFactory, repeats: int = 1,
-                 keep_servers: bool = False, api: str = "generate", vocab: int | None = None,
+                 keep_servers: bool = False, warmup: int = 0, api: str = "generate", vocab: int | None = None,
                  say: Callable[[str], None] = print,
                  on_record: Callable[[str, RequestRecord], None] | None = None):
         self.configs = list(configs)
@@ -168,6 +180,9 @@ class ABRunner:
         self.out = out
         self.start_server = start_server
         self.api, self.vocab = api, vocab
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise UsageError(f"--warmup must be a non-negative integer, got {warmup!r}")
+        self.warmup = warmup
         self.say = say
         self.on_record = on_record
         self.result = ABResult(self.configs, baseline, repeats, keep_servers)
@@ -193,8 +208,9 @@ class ABRunner:
             else:
                 for round_, index in self.order:
                     self._serve(self.configs[index], [round_], writers[self.configs[index].name])
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             self.result.interrupted = True
+            self.result.stop = stop
         finally:
             for writer in writers.values():
                 writer.close()
@@ -217,6 +233,10 @@ class ABRunner:
                 self.result.servers[config.name] = {"args": list(config.args), "applied": applied,
                                                     "server": target.info, "url": target.url,
                                                     "vocab": target.vocab}
+            if self.warmup:
+                self.say(f"  {config.name}: {self.warmup} warm-up run{'s' if self.warmup > 1 else ''} (not measured)")
+                space = TokenSpace(vocab=target.vocab, seed=self.seed, scale=self.scale)
+                run_load(target, self.workload, space, self.load, repeats=self.warmup, first_repeat=WARMUP_REPEAT)
             for round_ in rounds:
                 self._one_run(config, round_, target, writer, start_s)
                 start_s = None
@@ -234,15 +254,18 @@ class ABRunner:
             if self.on_record is not None:
                 self.on_record(config.name, record)
 
-        before = prefill_tokens(server_info(target.url))
+        before_info = server_info(target.url)
+        before = prefill_tokens(before_info)
         [result] = run_load(target, self.workload, space, self.load, repeats=1, first_repeat=round_,
                             on_record=on_record)
         after_info = server_info(target.url)
         after = prefill_tokens(after_info)
         computed = after - before if before is not None and after is not None else None
+        pairs = [prefill_tokens(i, "prefill_positions") for i in (before_info, after_info)]
+        positions = pairs[1] - pairs[0] if None not in pairs else None
         floor, floor_error = self._floor(result, space)
         run = ABRun(config.name, round_, position, summarize(result), computed, floor, result.wall,
-                    str(self.log_path(config, round_)), start_s, result.flush_error, floor_error)
+                    str(self.log_path(config, round_)), start_s, result.flush_error, floor_error, positions)
         self.result.runs.append(run)
         counters = penelope_counters(after_info) or {}
         if "policy" in counters:

@@ -62,11 +62,12 @@ def vocab_size(folder: Path) -> int:
     return int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
 
 
-def context_length(model: str) -> int | None:
-    """`max_position_embeddings` of a checkpoint folder's config.json (None when unreadable)."""
+def config_value(model: str, key: str) -> int | None:
+    """An integer setting (`max_position_embeddings`, `vocab_size`) of a checkpoint folder's
+    config.json, None when the folder or the setting is not readable here (a hub id)."""
     try:
         config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    value = config.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 1 else None
+    value = config.get(key) if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else None
