@@ -136,7 +136,7 @@ def report_text(result: ABResult) -> str:
             + "; mean ±half-width of the 95% interval over runs")
     text = head + "\n" + metrics_table(result)
     if any(result.paired_rounds(c.name) for c in result.configs if c.name != result.baseline):
-        text += (f"\nchanges against {result.baseline}, paired run by run (round r against round r; relative, "
+        text += (f"\n\nchanges against {result.baseline}, paired run by run (round r against round r; relative, "
                  "cached fraction in points, errors in requests):\n" + changes_table(result))
     else:
         text += f"\nno pair of runs with {result.baseline} finished: no changes to report"
