@@ -296,3 +296,26 @@ def test_the_command_prints_and_writes_what_finished_when_stopped(tmp_path, monk
     assert payload["interrupted"] and [r["config"] for r in payload["runs"]] == ["sglang-lru", "penelope"]
     assert payload["pairs"] == {"penelope": [0]}
     assert len((out / "records-penelope.jsonl").read_text().splitlines()) == 6
+
+
+def test_tlru_defaults_come_from_the_workload():
+    from penelope.commands.ab import appended_tokens
+    from penelope.loadgen.ab_configs import default_tlru
+
+    assert default_tlru(SETUP, [10, 50, 30]) == TLRUParams(threshold=30 + SETUP.chunk, next_prompt_estimate=30)
+    workload = small_workload()
+    space = TokenSpace(vocab=1000, scale=2.0)
+    added = appended_tokens(workload, space)
+    # Three sessions of four turns: three appended counts each, every one a scaled token count.
+    assert len(added) == 9 and all(0 <= n < 1000 for n in added)
+
+
+def test_the_tree_core_is_read_from_the_servers_log(tmp_path):
+    from penelope.loadgen.ab_runner import tree_core
+
+    log = tmp_path / "server.log"
+    log.write_text("[t] Load weight end.\n[t] Init Unified Radix Cache. Components: (<ComponentType.FULL: 0>,). "
+                   "Tree Core: RustUnifiedTreeCore\n")
+    assert tree_core(log) == "RustUnifiedTreeCore"
+    log.write_text("[t] penelope: cost model ...\n")
+    assert tree_core(log) is None and tree_core(tmp_path / "missing.log") is None

@@ -51,6 +51,8 @@ def test_penelope_against_sglang_lru_on_forced_eviction(tmp_path, monkeypatch, c
     assert servers["penelope"]["applied"] == {"radix_cache_backend": "penelope", "policy": "private-head-block"}
     assert servers["sglang-lru"]["applied"] == {"radix_eviction_policy": "lru", "enable_session_radix_cache": False}
     assert servers["sglang-lru"]["server"]["attention_backend"] == "torch_native_prefix"
+    # SGLang's own cache logged its tree core; Penelope's cache is not SGLang's.
+    assert servers["sglang-lru"]["tree_core"] and servers["penelope"]["tree_core"] is None
 
     records = {name: read_records(out / f"records-{name}.jsonl") for name in CONFIGS}
     assert records["penelope"].keys() == records["sglang-lru"].keys() and len(records["penelope"]) == 40

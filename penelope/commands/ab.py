@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
             "Starts one SGLang server per configuration (same model, pool, page, chunk, seed, attention backend), "
             "one at a time on 127.0.0.1, replays the same sessions against each (as penelope load does), "
             "interleaving repeats in rotated order, and prints each configuration's change against the baseline "
-            "paired run by run with 95%% intervals. Configurations: " + ", ".join(NAMES)
+            "paired run by run with 95% intervals. Configurations: " + ", ".join(NAMES)
             + "; penelope:POLICY and penelope-tier:POLICY for Penelope's other policies."
         ),
     )
@@ -205,7 +205,7 @@ def run(args) -> int:
     print(f"wrote {out / 'ab.json'} and records-CONFIG.jsonl, server logs in {out} ({elapsed:.0f} s)")
     if not args.no_plot and result.runs:
         try:
-            plot_ab(str(out / "ab.png"), result, f"{Path(model).name}, {description['format']}, scale "
+            plot_ab(str(out / "ab.png"), result, f"{Path(args.model).name}, {description['format']}, scale "
                     f"{args.scale:g}, pool {args.pool:,}")
             print(f"wrote {out / 'ab.png'}")
         except ImportError:

@@ -200,6 +200,8 @@ def plot_ab(path: str, result: ABResult, title: str) -> None:
                 errs.append(value.half_width * 100 if value.has_interval else 0)
         right.errorbar(xs, ys, yerr=errs, fmt="o", capsize=4, label=_metric(field)[1])
     right.axhline(0.0, color="black", linewidth=0.8)
+    left.set_xlim(-0.5, len(names) - 0.5)
+    right.set_xlim(-0.5, max(1, len(others)) - 0.5)
     right.set_xticks(list(range(len(others))), others, rotation=20)
     right.set_ylabel(f"change vs {result.baseline} (%), paired")
     right.set_title("paired change against the baseline")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -164,6 +165,20 @@ def server_info(url: str) -> dict:
         return {}
 
 
+_TREE_CORE = re.compile(r"Init Unified Radix Cache\..*Tree Core: (\w+)")
+
+
+def tree_core(log: Path) -> str | None:
+    """The tree core SGLang's own cache logged at start-up (`RustUnifiedTreeCore` or the Python
+    one; None for another cache or another log)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    found = _TREE_CORE.search(text)
+    return found.group(1) if found else None
+
+
 class ABRunner:
     """Runs an A/B comparison (see the module docstring). `start_server(config, log)` returns a
     context manager whose value has `.url` (SGLang by default, a stand-in in tests); `say` gets a
@@ -232,7 +247,8 @@ class ABRunner:
                 check_fits(self.workload, space, target, self.load.max_requests)
                 self.result.servers[config.name] = {"args": list(config.args), "applied": applied,
                                                     "server": target.info, "url": target.url,
-                                                    "vocab": target.vocab}
+                                                    "vocab": target.vocab,
+                                                    "tree_core": tree_core(self.log_path(config, rounds[0]))}
             if self.warmup:
                 self.say(f"  {config.name}: {self.warmup} warm-up run{'s' if self.warmup > 1 else ''} (not measured)")
                 space = TokenSpace(vocab=target.vocab, seed=self.seed, scale=self.scale)
