@@ -319,3 +319,31 @@ def test_the_tree_core_is_read_from_the_servers_log(tmp_path):
     assert tree_core(log) == "RustUnifiedTreeCore"
     log.write_text("[t] penelope: cost model ...\n")
     assert tree_core(log) is None and tree_core(tmp_path / "missing.log") is None
+
+
+def test_the_floor_of_an_open_loop_run_skips_failed_requests(tmp_path):
+    """Mooncake JSONL (open loop, every prompt from its own blocks): a failed request leaves the
+    floor, the others' prompts are still rebuilt exactly, and a prompt reuses the blocks an
+    earlier-sent prompt shares with it."""
+    from penelope.sim.mooncake import load_mooncake
+
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
+            {"timestamp": 100, "input_length": 1024, "output_length": 8, "hash_ids": [1, 3]},
+            {"timestamp": 200, "input_length": 1536, "output_length": 8, "hash_ids": [1, 2, 4]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    workload = load_mooncake(path)
+    space = TokenSpace(vocab=1000, seed=5, scale=4.0)
+    with StubServer() as stub:
+        target = probe_server(stub.url, "generate", vocab=1000)
+        # One session per request in Mooncake JSONL.
+        failing = f"{workload.sessions[1].id}#0/0"
+        stub.modes[failing] = "http500"
+        [result] = run_load(target, workload, space, LoadConfig())
+        sent = {b["rid"]: b["input_ids"] for b in stub.requests if b.get("session_id")}
+    ok = [r for r in result.records if r.ok]
+    assert len(ok) == 2 and all(not r.ok for r in result.records if r.rid == failing)
+    prompts = rebuilt_prompts(result.records, workload, space)
+    assert {r.rid: prompts[(r.session_index, r.turn)] for r in ok} == {r.rid: sent[r.rid] for r in ok}
+    # 128 ids a block at scale 4: 256 computed, then 384 less the first two blocks' 256.
+    assert never_evicting_prefill(result.records, workload, space, 16) == 256 + 128

@@ -37,7 +37,12 @@ def rebuilt_prompts(records: Sequence[RequestRecord], workload: Workload,
         for turn in range(len(session.requests)):
             record = turns.get(turn)
             if record is None or not record.ok:
-                break
+                if workload.closed_loop:
+                    # The session ended here: its next prompt would need this reply.
+                    break
+                # Open loop: every prompt comes from its own keys; skip this one.
+                builder.next_prompt()
+                continue
             ids = list(builder.next_prompt())
             if len(ids) != record.prompt_tokens:
                 raise ValueError(f"{record.rid}: rebuilt a prompt of {len(ids)} ids, the run sent "
