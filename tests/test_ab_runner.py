@@ -116,6 +116,13 @@ def test_check_applied_reads_back_what_the_server_resolved():
         check_applied(penelope, info)
     with pytest.raises(UsageError, match="runs Penelope's cache"):
         check_applied(lru, {"radix_eviction_policy": "lru", **info})
+    tier = make_config("penelope-tier", SETUP)
+    counters = {"policy": "private-head-block", "host_tokens": 8192}
+    assert check_applied(tier, {"radix_cache_backend": "penelope", "internal_states": [{"penelope": counters}]}) == {
+        "radix_cache_backend": "penelope", "policy": "private-head-block", "host_tokens": 8192}
+    counters["host_tokens"] = 0
+    with pytest.raises(UsageError, match="a CPU tier of 0 tokens, not 8192"):
+        check_applied(tier, {"radix_cache_backend": "penelope", "internal_states": [{"penelope": counters}]})
 
 
 def test_rounds_rotate_the_order():

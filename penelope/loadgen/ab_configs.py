@@ -135,6 +135,8 @@ class ABConfig:
     args: tuple[str, ...]
     expect: Mapping[str, object] = field(default_factory=dict)
     penelope_policy: str | None = None
+    # Penelope's CPU tier, in tokens (its counters' `host_tokens`); None: none.
+    host_tokens: int | None = None
 
     @property
     def slug(self) -> str:
@@ -154,7 +156,8 @@ def _penelope(name: str, policy: str | None, setup: ServerSetup, tier: bool) -> 
         options["cpu_cache"] = setup.host
     return ABConfig(name, ("--radix-cache-backend", "penelope", "--radix-eviction-policy-config",
                            json.dumps(options, separators=(",", ":"))),
-                    expect={"radix_cache_backend": "penelope"}, penelope_policy=canonical)
+                    expect={"radix_cache_backend": "penelope"}, penelope_policy=canonical,
+                    host_tokens=setup.host if tier else None)
 
 
 def make_config(name: str, setup: ServerSetup) -> ABConfig:
@@ -245,6 +248,12 @@ def check_applied(config: ABConfig, info: Mapping[str, object]) -> dict:
             raise UsageError(f"{config.name}: the server's cache reports policy {policy!r}, not "
                              f"{config.penelope_policy!r}")
         found["policy"] = policy
+        host = (counters or {}).get("host_tokens", 0)
+        if (config.host_tokens or 0) != host:
+            raise UsageError(f"{config.name}: the server's cache reports a CPU tier of {host} tokens, not "
+                             f"{config.host_tokens or 0}")
+        if host:
+            found["host_tokens"] = host
     elif counters and "policy" in counters:
         raise UsageError(f"{config.name}: the server runs Penelope's cache ({counters['policy']}), not SGLang's")
     return found
