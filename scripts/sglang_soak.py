@@ -32,7 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from penelope.integration.sglang.verify import tiny_model, word_level_tokenizer
+from penelope.integration.sglang.verify import tiny_model
+from penelope.loadgen.models import word_level_tokenizer
 from penelope.loadgen.server import CPU_ARGS, CPU_ENV, ServerSpec, SGLangServer
 from penelope.loadgen.soak import SoakConfig, check_replies, server_faults, soak
 from penelope.tables import format_table

@@ -13,7 +13,8 @@ and a longer or shorter match would be a bug in the client or the server.
 import dataclasses
 from pathlib import Path
 
-from penelope.integration.sglang.verify import tiny_model, word_level_tokenizer
+from penelope.integration.sglang.verify import tiny_model
+from penelope.loadgen.models import word_level_tokenizer
 from penelope.loadgen.runner import LoadConfig, check_fits, run_load
 from penelope.loadgen.server import CPU_ARGS, CPU_ENV, ServerSpec, SGLangServer
 from penelope.loadgen.summary import summarize

@@ -213,13 +213,3 @@ def tiny_model(folder: str | Path, seed: int = 0, max_positions: int = 16384) ->
                                name="penelope-tiny-qwen3")
     return save_checkpoint(folder, config, random_weights(config, seed=seed, init_std=0.5))
 
-
-def word_level_tokenizer(folder: str | Path, vocab: int = 1000) -> None:
-    """A tokenizer of one word per id (``t0`` .. ``t{vocab-1}``) saved beside a checkpoint: SGLang's
-    HTTP server needs one for its warm-up request and its OpenAI API; clients send and read ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1").save_pretrained(folder)
