@@ -212,4 +212,3 @@ def tiny_model(folder: str | Path, seed: int = 0, max_positions: int = 16384) ->
                                head_dim=16, intermediate_size=128, max_position_embeddings=max_positions,
                                name="penelope-tiny-qwen3")
     return save_checkpoint(folder, config, random_weights(config, seed=seed, init_std=0.5))
-
