@@ -25,7 +25,10 @@ lock -> evict the shortfall -> alloc -> torch.cat of the row -> insert -> free t
 the partial page -> unlock.
 
 The timed requests are cut into segments; the caches replay each segment in turn, in an order
-rotated from segment to segment, each cache continuing from its own state. Figures in
+rotated from segment to segment, each cache continuing from its own state. Time is the CPU time
+of the benchmark's thread with torch on one thread (neither SGLang's Rust core nor torch then
+works on other threads: measured, the process's CPU time equals the thread's), so other jobs on a
+shared machine do not count. Figures in
 ``extra_info``: ``<cache>_s_per_request`` (median over segments), ``ratio_<cache>_vs_rust`` =
 the Rust core's time / the cache's time in the same segment, median over segments (>= 1.0: at
 least as fast as the Rust core), with ``<cache>_vs_rust_range`` (lowest, highest), and exact
@@ -237,27 +240,33 @@ def make_side(name: str, workload: Workload, page: int, blocks: int):
 
 
 def replay(side, requests) -> float:
-    """Seconds of wall time to run `requests` through `side`."""
-    start = time.perf_counter()
+    """CPU seconds of this thread to run `requests` through `side` (torch on one thread: the
+    whole of the work; the time other jobs of a shared machine take is not counted)."""
+    start = time.thread_time()
     for s, request_len, reply_len in requests:
         side.request(s, request_len, reply_len)
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def measure(page: int, blocks: int, caches=CACHES) -> dict:
     """Fill every cache, then time the segments interleaved; returns the figures of the module
     docstring (per-segment seconds under ``seconds``)."""
     workload = Workload(page, blocks)
-    sides = {}
-    for name in caches:
-        side = sides[name] = make_side(name, workload, page, blocks)
-        replay(side, workload.fill)
-        side.hit_tokens = 0
-    seconds = {name: [] for name in caches}
-    for i, segment in enumerate(workload.segments):
-        order = caches[i % len(caches):] + caches[:i % len(caches)]
-        for name in order:
-            seconds[name].append(replay(sides[name], segment))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sides = {}
+        for name in caches:
+            side = sides[name] = make_side(name, workload, page, blocks)
+            replay(side, workload.fill)
+            side.hit_tokens = 0
+        seconds = {name: [] for name in caches}
+        for i, segment in enumerate(workload.segments):
+            order = caches[i % len(caches):] + caches[:i % len(caches)]
+            for name in order:
+                seconds[name].append(replay(sides[name], segment))
+    finally:
+        torch.set_num_threads(threads)
     return {"workload": workload, "sides": sides, "seconds": seconds}
 
 
