@@ -53,6 +53,19 @@ def test_match_reports_spans_holes_and_compute_from():
     assert m.holes == [] and m.compute_from == 16 and m.recomputed == [(16, 20)]
 
 
+def test_a_match_without_slots_reports_the_same_spans_and_no_slots():
+    cache = KVCache(256, block_size=BS, policy="leaf-head-block")
+    a = tokens(100, 16)
+    for end in (16, 24):
+        serve(cache, a[:end])
+    cache.evict(4)
+    for query in (a[:16], a):  # one GPU span; spans with a hole
+        full, light = cache.match(query), cache.match(query, slots=False)
+        assert [(s.start, s.end, s.state) for s in light.spans] == [(s.start, s.end, s.state) for s in full.spans]
+        assert (light.holes, light.compute_from, light.matched) == (full.holes, full.compute_from, full.matched)
+        assert all(len(s.slots) == 0 for s in light.spans) and len(full.spans[0].slots) == 16
+
+
 def test_match_slots_are_the_inserted_slots():
     cache = KVCache(64, block_size=BS)
     a = tokens(100, 8)

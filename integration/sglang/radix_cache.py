@@ -228,7 +228,8 @@ class PenelopeRadixCache(BasePrefixCache):
         if n == 0:
             return InsertResult(prefix_len=0)
         tokens = key_tokens(key.token_ids, n, namespace)
-        before = self.cache.match(tokens)
+        # Where the blocks are is all this needs of the match (the tree keeps its leading slots).
+        before = self.cache.match(tokens, slots=False)
         leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
         if len(params.value) < n:
             raise UsageError(f"penelope: insert of {n} tokens got {len(params.value)} slots")

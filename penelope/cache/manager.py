@@ -201,15 +201,16 @@ class KVCache:
         """GPU tokens in the tree on locked paths."""
         return self.tree.protected_tokens
 
-    def match(self, tokens) -> MatchResult:
+    def match(self, tokens, slots: bool = True) -> MatchResult:
         """Walk the tree along `tokens` (list or int64 array [n]) through blocks of any state.
-        Only whole blocks match. Bumps the recency of the matched path."""
+        Only whole blocks match. Bumps the recency of the matched path. `slots=False`: the spans
+        carry no slot arrays (all empty), for a caller that needs only where the blocks are."""
         tokens = int_array(tokens, "tokens")
         tree, bs = self.tree, self.block_size
         n_blocks = len(tokens) // bs
         path = tree.commit(*tree.walk(tokens, n_blocks))
         tree.touch(path)
-        spans = self._spans(path)
+        spans = self._spans(path, slots)
         resident = [s for s in spans if s.state != BlockState.MISSING]
         compute_from = resident[-1].end if resident else 0
         holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
@@ -486,11 +487,12 @@ class KVCache:
         hashes = np.concatenate(released.hashes) if released.hashes else NO_HASHES
         return EvictResult(len(slots), slots, released.ranges, hashes)
 
-    def _spans(self, path: list[Node]) -> list[Span]:
-        """Merge the per-block states of the path into maximal runs of one state."""
+    def _spans(self, path: list[Node], with_slots: bool = True) -> list[Span]:
+        """Merge the per-block states of the path into maximal runs of one state (without their
+        slots unless `with_slots`)."""
         if path and all(node.n_gpu == len(node.state) for node in path):
             # The common case, a path wholly on the GPU: one span, no per-run bookkeeping.
-            slots = np.concatenate([node.slots for node in path], dtype=np.int64)
+            slots = np.concatenate([node.slots for node in path], dtype=np.int64) if with_slots else EMPTY_SLOTS
             return [Span(0, path[-1].end, BlockState.GPU, slots)]
         bs = self.block_size
         runs: list[list] = []  # [state, start, end, slot arrays]
@@ -509,7 +511,8 @@ class KVCache:
                 run[2] = node.start + stop * bs
                 if state != _MISSING:
                     run[3].append(node.slots if stop - first == k else node.slots[first * bs:stop * bs])
-        return [Span(start, end, BlockState(state), np.concatenate(parts, dtype=np.int64) if parts else EMPTY_SLOTS)
+        return [Span(start, end, BlockState(state),
+                     np.concatenate(parts, dtype=np.int64) if parts and with_slots else EMPTY_SLOTS)
                 for state, start, end, parts in runs]
 
     def _seen_until(self, tokens: np.ndarray, path: list[Node], matched: int, n_blocks: int) -> int:
