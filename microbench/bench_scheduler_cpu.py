@@ -9,8 +9,8 @@ serve the same batches), at page 64 and page 1. Each Engine runs in a process of
 seconds while serving (forward passes included, the same work for every cache; robust to other
 work on a shared machine), median of the rounds, per request and as ``ratio_penelope_vs_rust``
 = Rust core's / Penelope's (>= 1.0: Penelope's scheduler at least as cheap);
-``python_core_vs_rust`` likewise for SGLang's Python core (shown, not tracked). About 3 minutes
-per page size on 2 cores.
+``python_core_vs_rust`` likewise for SGLang's Python core (shown, not tracked). 18 Engine runs,
+about 20 minutes on the 2-core development machine.
 
 Run: ``python -m pytest microbench/bench_scheduler_cpu.py --benchmark-json out.json -s``.
 """
