@@ -53,6 +53,19 @@ def test_match_reports_spans_holes_and_compute_from():
     assert m.holes == [] and m.compute_from == 16 and m.recomputed == [(16, 20)]
 
 
+def test_a_match_without_slots_reports_the_same_spans_and_no_slots():
+    cache = KVCache(256, block_size=BS, policy="leaf-head-block")
+    a = tokens(100, 16)
+    for end in (16, 24):
+        serve(cache, a[:end])
+    cache.evict(4)
+    for query in (a[:16], a):  # one GPU span; spans with a hole
+        full, light = cache.match(query), cache.match(query, slots=False)
+        assert [(s.start, s.end, s.state) for s in light.spans] == [(s.start, s.end, s.state) for s in full.spans]
+        assert (light.holes, light.compute_from, light.matched) == (full.holes, full.compute_from, full.matched)
+        assert all(len(s.slots) == 0 for s in light.spans) and len(full.spans[0].slots) == 16
+
+
 def test_match_slots_are_the_inserted_slots():
     cache = KVCache(64, block_size=BS)
     a = tokens(100, 8)
@@ -105,6 +118,80 @@ def test_insert_refills_holes_with_the_new_slots():
     assert (result.refilled, result.new, result.freed) == (4, 0, 0)
     assert np.array_equal(cache.match(a).spans[0].slots[8:12], new)
     cache.check_invariants()
+
+
+def test_insert_given_its_fresh_match_does_what_walking_again_does():
+    def run(with_match: bool):
+        cache = KVCache(256, block_size=BS)
+        a = tokens(100, 16)
+        serve(cache, a[:12])
+        serve(cache, a[:20])
+        longer = np.concatenate([a, np.arange(500, 510)])
+        m = cache.match(longer)
+        result = cache.insert(longer, request_slots(m, len(longer), cache.alloc(len(longer) - 20)),
+                              m if with_match else None)
+        cache.check_invariants()
+        return result, dump_real(cache), cache.free_size()
+
+    assert run(True) == run(False)
+
+
+def test_insert_given_a_match_the_tree_outgrew_walks_again():
+    cache = KVCache(256, block_size=BS)
+    a = tokens(100, 16)
+    serve(cache, a[:12])
+    m = cache.match(a)
+    mine = request_slots(m, len(a), cache.alloc(len(a) - m.compute_from))
+    # Another request caches the rest of the same tokens after the match was made.
+    serve(cache, a)
+    result = cache.insert(a, mine, m)
+    assert (result.already_cached, result.new, result.freed) == (len(a), 0, len(a) - 12)
+    assert len(shape(cache)) == 2
+    cache.check_invariants()
+
+
+def test_insert_given_a_stale_match_walks_again():
+    cache = KVCache(256, block_size=BS)
+    a = tokens(100, 16)
+    serve(cache, a)
+    m = cache.match(a)
+    cache.evict(len(a))  # everything: the match's nodes are gone
+    result = cache.insert(a, cache.alloc(len(a)), m)
+    assert (result.already_cached, result.new, result.freed) == (0, len(a), 0)
+    cache.check_invariants()
+
+
+def test_insert_keeps_the_tree_prefix_without_reading_its_passed_slots():
+    def run(garbage: bool):
+        cache = KVCache(256, block_size=BS)
+        a = tokens(100, 16)
+        serve(cache, a[:12])
+        serve(cache, a[:20])
+        longer = np.concatenate([a, np.arange(500, 510)])
+        m = cache.match(longer)
+        assert m.compute_from == 20
+        slots = request_slots(m, len(longer), cache.alloc(len(longer) - 20))
+        if garbage:
+            slots[:20] = -7  # not read: they are the tree's
+        result = cache.insert(longer, slots, m, tree_prefix=20 if garbage else 0)
+        cache.check_invariants()
+        return result, dump_real(cache), cache.free_size()
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("case", ["no match", "stale", "beyond"])
+def test_a_tree_prefix_needs_a_fresh_match_whose_leading_gpu_span_covers_it(case):
+    cache = loaded_cache()  # [16, 20) of tokens(100, 16) is a hole
+    a = tokens(100, 16)
+    m = cache.match(a)
+    slots = request_slots(m, len(a), cache.alloc(4 + len(a) - m.compute_from))
+    if case == "stale":
+        cache.evict(4)
+    before = snapshot(cache)
+    with pytest.raises(UsageError, match="tree_prefix"):
+        cache.insert(a, slots, None if case == "no match" else m, tree_prefix=20 if case == "beyond" else 16)
+    assert snapshot(cache) == before
 
 
 def test_insert_of_a_prefix_splits_the_node():

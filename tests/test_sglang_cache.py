@@ -263,6 +263,23 @@ def test_insert_refuses_slots_in_the_wrong_state_and_changes_nothing():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("page", PAGES)
+def test_insert_names_the_lowest_listed_page_and_refuses_slots_outside_the_pool(page):
+    serving = Serving(size=64 * 8, page_size=page)
+    cache, allocator = serving.cache, serving.allocator
+    key = RadixKey(list(blocks(900, 2)))
+    free = sorted(allocator.get_all_free_pages().tolist())[:128 // page]
+    # Free pages, the highest first: the message names the lowest.
+    never = torch.cat([torch.arange(p * page, (p + 1) * page) for p in reversed(free)])
+    with pytest.raises(UsageError, match=f"slot page {free[0]} was never allocated"):
+        cache.insert(InsertParams(key=key, value=never))
+    for outside in (torch.arange(-128, 0), torch.arange(64 * 9, 64 * 9 + 128)):
+        with pytest.raises(UsageError, match="outside SGLang's pool"):
+            cache.insert(InsertParams(key=key, value=outside))
+    assert cache.evictable_size() == 0 and allocator.available_size() == 64 * 8
+    cache.check_invariants()
+
+
 def adapter_state(serving: Serving) -> tuple:
     """What a rejected call must leave as it was: tree, locks, SGLang's free list, namespaces."""
     cache, allocator = serving.cache, serving.allocator

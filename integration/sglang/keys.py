@@ -93,8 +93,12 @@ class MatchRef:
 
     def slots(self, n: int) -> np.ndarray:
         """Slots of positions [0, n) (int64 [n], n <= the matched length); PAD_SLOT at holes."""
+        spans = self.match.spans if self.match is not None else []
+        if spans and spans[0].state == BlockState.GPU and spans[0].end >= n:
+            # The common case, one resident run: a copy of its first n slots.
+            return spans[0].slots[:n].copy()
         out = np.full(n, PAD_SLOT, dtype=np.int64)
-        for span in self.match.spans if self.match is not None else []:
+        for span in spans:
             if span.start >= n:
                 break
             if span.state == BlockState.GPU:

@@ -235,15 +235,15 @@ class PenelopeRadixCache(BasePrefixCache):
         if n == 0:
             return InsertResult(prefix_len=0)
         tokens = key_tokens(key.token_ids, n, namespace)
-        before = self.cache.match(tokens)
+        # Where the blocks are is all this needs of the match (the tree keeps its leading slots).
+        before = self.cache.match(tokens, slots=False)
         leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
         if len(params.value) < n:
             raise UsageError(f"penelope: insert of {n} tokens got {len(params.value)} slots")
-        slots = params.value[:n].to("cpu", torch.int64).numpy().copy()
-        if leading:
-            slots[:leading] = before.spans[0].slots[:leading]
+        # The leading cached tokens keep the tree's slots: the passed ones there are not read.
+        slots = params.value[:n].to("cpu", torch.int64).numpy()
         self.slots.check_allocated(slots[leading:])
-        self._insert(tokens, slots, before)
+        self._insert(tokens, slots, before, leading)
         return InsertResult(prefix_len=leading, total_len=n)
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
@@ -591,9 +591,10 @@ class PenelopeRadixCache(BasePrefixCache):
         if self.host_kv is not None:
             self.host_kv.run(self.cache.take_plans())
 
-    def _insert(self, tokens: np.ndarray, slots: np.ndarray, before: PenelopeMatch):
-        """KVCache.insert, with KV events for the blocks that became resident."""
-        result = self.cache.insert(tokens, slots)
+    def _insert(self, tokens: np.ndarray, slots: np.ndarray, before: PenelopeMatch, tree_prefix: int = 0):
+        """KVCache.insert (`before`: its match of `tokens`, made just now; `tree_prefix`: see
+        KVCache.insert), with KV events for the blocks that became resident."""
+        result = self.cache.insert(tokens, slots, before, tree_prefix)
         self.kv_events.stored(self.cache, tokens, before)
         return result
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 from penelope.errors import InvariantError, UsageError
 
@@ -28,6 +29,11 @@ class SGLangSlots:
         self._held = 0
         # Scratch for the duplicate check: slot -> index of its last occurrence.
         self._stamp = np.zeros(self._end, dtype=np.int64)
+        # The stock allocators free pages named by id as they are; others (page-interleaved
+        # shards) only through `free`.
+        self._by_page_id = type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
+        # Scratch for `check_allocated`: one flag per page id, all False between calls.
+        self._free_page = np.zeros(self._end // self.page_size + 1, dtype=bool)
 
     def free_size(self) -> int:
         return self.sglang.available_size()
@@ -76,10 +82,19 @@ class SGLangSlots:
         free_pages = self.sglang.get_all_free_pages()
         if free_pages is None or not len(slots):
             return
-        pages = np.unique(slots // self.page_size)
-        free = np.intersect1d(pages, free_pages.to("cpu", torch.int64).numpy())
-        if len(free):
-            raise UsageError(f"penelope: slot page {int(free[0])} was never allocated (it is on SGLang's free list)")
+        pages = slots // self.page_size
+        flags = self._free_page
+        if int(pages.min()) < 0 or int(pages.max()) >= len(flags):
+            # Outside the pool: `check_outstanding` refuses these slots.
+            return
+        free = free_pages.to("cpu", torch.int64).numpy()
+        # Page-indexed flags, set and cleared again: linear in the free list, no sort.
+        flags[free] = True
+        listed = flags[pages]
+        flags[free] = False
+        if listed.any():
+            raise UsageError(f"penelope: slot page {int(pages[listed].min())} was never allocated (it is on "
+                             "SGLang's free list)")
 
     def adopt(self, slots: np.ndarray) -> None:
         """The tree takes slots a request held (checked by `check_outstanding`)."""
@@ -91,13 +106,22 @@ class SGLangSlots:
         self._give_back(slots)
 
     def release(self, slots: np.ndarray) -> None:
-        """The tree drops slots of evicted blocks: back to SGLang."""
-        if len(slots):
-            if not self._in_tree[slots].all():
-                raise InvariantError("penelope: the tree released a slot it did not hold")
-            self._in_tree[slots] = False
-            self._held -= len(slots)
-        self._give_back(slots)
+        """The tree drops slots of evicted blocks: back to SGLang, in one call. The tree took them
+        as whole pages, one page's slots in order (`check_outstanding`), and its blocks hold whole
+        pages, so every page appears once and its first slot names it: SGLang's `free_page_ids`,
+        without the sort that `free` runs to find the pages."""
+        if not len(slots):
+            return
+        if not self._in_tree[slots].all():
+            raise InvariantError("penelope: the tree released a slot it did not hold")
+        self._in_tree[slots] = False
+        self._held -= len(slots)
+        if not self._by_page_id:
+            self._give_back(slots)
+            return
+        page = self.page_size
+        pages = slots[::page] // page if page > 1 else slots
+        self.sglang.free_page_ids(torch.from_numpy(np.ascontiguousarray(pages)).to(self.device))
 
     def reset(self) -> None:
         """Forget every tree slot (SGLang clears its allocator alongside)."""

@@ -201,15 +201,16 @@ class KVCache:
         """GPU tokens in the tree on locked paths."""
         return self.tree.protected_tokens
 
-    def match(self, tokens) -> MatchResult:
+    def match(self, tokens, slots: bool = True) -> MatchResult:
         """Walk the tree along `tokens` (list or int64 array [n]) through blocks of any state.
-        Only whole blocks match. Bumps the recency of the matched path."""
+        Only whole blocks match. Bumps the recency of the matched path. `slots=False`: the spans
+        carry no slot arrays (all empty), for a caller that needs only where the blocks are."""
         tokens = int_array(tokens, "tokens")
         tree, bs = self.tree, self.block_size
         n_blocks = len(tokens) // bs
         path = tree.commit(*tree.walk(tokens, n_blocks))
         tree.touch(path)
-        spans = self._spans(path)
+        spans = self._spans(path, slots)
         resident = [s for s in spans if s.state != BlockState.MISSING]
         compute_from = resident[-1].end if resident else 0
         holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
@@ -278,13 +279,19 @@ class KVCache:
         """Return slots from `alloc` that will not be inserted."""
         self.allocator.free(int_array(slots, "slots"))
 
-    def insert(self, tokens, slots) -> InsertResult:
+    def insert(self, tokens, slots, match: MatchResult | None = None, tree_prefix: int = 0) -> InsertResult:
         """Cache `tokens` whose KV is in `slots` (`slots[i]` holds tokens[i]); takes every slot.
 
         Blocks already on the GPU keep their slots (different slots passed for them are freed);
         holes on the path become resident with the passed slots, and so do blocks on the CPU
         tier (the caller computed them again: the GPU copy replaces the host copy, whose row is
-        freed); new whole blocks are added; the partial last block's slots are freed."""
+        freed); new whole blocks are added; the partial last block's slots are freed.
+
+        `match`: optionally, this cache's match of these same tokens (a caller that read what is
+        cached before inserting); while it is fresh, its path saves walking the tree again.
+        `tree_prefix`: the first `tree_prefix` tokens lie in the leading GPU span of `match`, which
+        must be fresh: they keep the tree's slots, and `slots` there is neither read nor freed (a
+        caller that would only copy the tree's slots in, to have them compared back)."""
         tokens = int_array(tokens, "tokens")
         slots = int_array(slots, "slots")
         if len(slots) != len(tokens):
@@ -292,19 +299,23 @@ class KVCache:
         if len(tokens) > self.capacity:
             raise UsageError(f"a sequence of {len(tokens)} tokens can never fit in a cache of "
                              f"{self.capacity} tokens")
+        lo = self._tree_prefix(match, tree_prefix)
         tree, bs = self.tree, self.block_size
         n_blocks = len(tokens) // bs
         full = n_blocks * bs
-        path, last = tree.walk(tokens, n_blocks)
+        path, last = self._walk_again(match, tokens, n_blocks) if match is not None else tree.walk(tokens, n_blocks)
         walked = path[-1].start + last * bs if path else 0
-        parts = [node.slots for node in path[:-1]] + ([path[-1].slots[:last * bs]] if path else [])
+        # The tree's slots of [lo, walked), against the passed ones.
+        parts = [node.slots[max(lo - node.start, 0):] for node in path[:-1] if node.end > lo]
+        if path and path[-1].start + last * bs > lo:
+            parts.append(path[-1].slots[max(lo - path[-1].start, 0):last * bs])
         stored = np.concatenate(parts) if parts else EMPTY_SLOTS
-        passed = slots[:walked]
+        passed = slots[lo:walked]
         differs = stored != passed
         if any(node.n_gpu < node.n_blocks for node in path):
             # Holes and CPU blocks take the passed slots (a GPU slot number may equal the host
             # slot number of a CPU block: still not a duplicate).
-            state = np.concatenate([np.repeat(node.state, bs) for node in path])[:walked]
+            state = np.concatenate([np.repeat(node.state, bs) for node in path])[lo:walked]
             taken = state != _GPU
             refill, differs = passed[taken], differs & ~taken
         else:
@@ -333,6 +344,36 @@ class KVCache:
         if len(returned):
             self.allocator.free(returned)
         return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
+
+    def _tree_prefix(self, match: MatchResult | None, tree_prefix) -> int:
+        """`tree_prefix` checked against `match` (see `insert`)."""
+        n = count(tree_prefix, "tree_prefix")
+        if n == 0:
+            return 0
+        if match is None or not isinstance(match, MatchResult) or not self.is_fresh(match):
+            raise UsageError("tree_prefix needs a fresh match of this cache")
+        first = match.spans[0] if match.spans else None
+        if first is None or first.state != BlockState.GPU or n > first.end:
+            raise UsageError(f"tree_prefix {n} is beyond the match's leading GPU span "
+                             f"({first.end if first is not None and first.state == BlockState.GPU else 0} tokens)")
+        return n
+
+    def _walk_again(self, match: MatchResult, tokens: np.ndarray, n_blocks: int) -> tuple[list[Node], int]:
+        """`tree.walk(tokens, n_blocks)`, read off `match` (made on the same tokens) when it is
+        fresh. Its walk ended on the whole node `match.handle` (match commits its path), and
+        nothing was evicted since; splits keep the path's nodes and ends, so the walk again ends
+        there unless an insert since then added a child that continues the tokens."""
+        tree = self.tree
+        if not self.is_fresh(match) or match.n_tokens != len(tokens):
+            return tree.walk(tokens, n_blocks)
+        node = match.handle
+        end = node.end if node is not tree.root else 0
+        if end < n_blocks * self.block_size:
+            block = tokens[end:end + self.block_size].tobytes()
+            if block in node.children:
+                return tree.walk(tokens, n_blocks)
+        path = tree.path_to_root(node)
+        return path, path[-1].n_blocks if path else 0
 
     def _replace_host_copy(self, node: Node, blocks: np.ndarray, slots: np.ndarray) -> None:
         """CPU `blocks` of `node` become GPU-resident with `slots` (freshly computed KV); a cache
@@ -446,8 +487,13 @@ class KVCache:
         hashes = np.concatenate(released.hashes) if released.hashes else NO_HASHES
         return EvictResult(len(slots), slots, released.ranges, hashes)
 
-    def _spans(self, path: list[Node]) -> list[Span]:
-        """Merge the per-block states of the path into maximal runs of one state."""
+    def _spans(self, path: list[Node], with_slots: bool = True) -> list[Span]:
+        """Merge the per-block states of the path into maximal runs of one state (without their
+        slots unless `with_slots`)."""
+        if path and all(node.n_gpu == len(node.state) for node in path):
+            # The common case, a path wholly on the GPU: one span, no per-run bookkeeping.
+            slots = np.concatenate([node.slots for node in path], dtype=np.int64) if with_slots else EMPTY_SLOTS
+            return [Span(0, path[-1].end, BlockState.GPU, slots)]
         bs = self.block_size
         runs: list[list] = []  # [state, start, end, slot arrays]
         for node in path:
@@ -465,7 +511,8 @@ class KVCache:
                 run[2] = node.start + stop * bs
                 if state != _MISSING:
                     run[3].append(node.slots if stop - first == k else node.slots[first * bs:stop * bs])
-        return [Span(start, end, BlockState(state), np.concatenate(parts, dtype=np.int64) if parts else EMPTY_SLOTS)
+        return [Span(start, end, BlockState(state),
+                     np.concatenate(parts, dtype=np.int64) if parts and with_slots else EMPTY_SLOTS)
                 for state, start, end, parts in runs]
 
     def _seen_until(self, tokens: np.ndarray, path: list[Node], matched: int, n_blocks: int) -> int:

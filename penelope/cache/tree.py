@@ -133,7 +133,11 @@ class PrefixHasher:
         if k == 0:
             return np.empty(0, dtype=np.uint64)
         self._grow(base_block + k)
-        digests = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix + np.uint64(1)
+        if self.block_size == 1:
+            # The same digests; a (k, 1) @ (1,) product costs numpy more than a multiply.
+            digests = tokens.view(np.uint64) * self._mix[0] + np.uint64(1)
+        else:
+            digests = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix + np.uint64(1)
         g0 = (base_hash * int(self._inv[base_block])) & _MASK64
         span = slice(base_block + 1, base_block + k + 1)
         g = np.cumsum(digests * self._inv[span]) + np.uint64(g0)
