@@ -18,14 +18,16 @@ prompt computed whole) replays every completed request: the reply ids must be id
 
 Pool: ``--pool`` tokens in pages of 16, chunks of ``--chunk`` (smaller than most holes, so holes
 are refilled over several chunks as well as by riders), context 4,096, histories up to 3,072.
-Exit status 0 when every check held, 1 otherwise (the table says which), 2 on bad arguments.
+Exit status 0 when every check held, 1 otherwise (the table says which), 2 on bad arguments; Ctrl-C
+or SIGTERM stops the servers, prints and writes what finished (``interrupted`` in soak.json) and
+exits 130 or 143.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,8 +36,9 @@ from pathlib import Path
 
 from penelope.integration.sglang.verify import tiny_model
 from penelope.loadgen.models import word_level_tokenizer
+from penelope.loadgen.runner import run_until_signal
 from penelope.loadgen.server import CPU_ARGS, CPU_ENV, ServerSpec, SGLangServer
-from penelope.loadgen.soak import SoakConfig, check_replies, server_faults, soak
+from penelope.loadgen.soak import SoakConfig, SoakReport, check_replies, reply_problems, server_faults, soak
 from penelope.tables import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +49,7 @@ MAX_CONTEXT = 3072
 VOCAB = 1000
 CONFIGS = ("gpu", "two-tiers")
 # SGLang's strict memory checks (docs: tests/test_sglang_engine.py).
+NO_END = {"generates": False, "flushed": False, "held_after_flush": {}, "plugin_active": False, "counters": {}}
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
           "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
@@ -90,7 +94,8 @@ def after_load(url: str) -> dict:
             "counters": counters}
 
 
-def run_config(model: Path, out: Path, config: str, args) -> dict:
+def run_config(model: Path, out: Path, config: str, args, runs: list[dict]) -> None:
+    """Soak one configuration's server; its run (a dict) is appended to `runs` as it starts."""
     log = out / f"server-{config}.log"
     settings = SoakConfig(vocab=VOCAB, max_context=MAX_CONTEXT, context_length=CONTEXT, sessions=args.sessions,
                           duration=args.minutes * 60, max_requests=args.max_requests, seed=args.seed)
@@ -102,18 +107,24 @@ def run_config(model: Path, out: Path, config: str, args) -> dict:
             print(f"  {config}: {done} completed, {report.counts['sent']} sent, "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 
+    run = {"config": config, "report": SoakReport(), "end": NO_END, "alive": False, "faults": [], "log": str(log)}
+    runs.append(run)
     with SGLangServer(server_spec(model, log, config, args.pool, args.chunk)) as server:
         print(f"{config}: server up at {server.url} after {time.monotonic() - started:.0f} s", file=sys.stderr)
-        report = asyncio.run(soak(server.url, settings, progress))
         try:
-            end = after_load(server.url)
+            # Ctrl-C or SIGTERM cancels the soak; `run` keeps what it did so far.
+            run_until_signal(soak(server.url, settings, progress, run["report"]))
+        except BaseException:
+            run["interrupted"] = True
+            run["faults"] = server_faults(log)
+            raise
+        try:
+            run["end"] = after_load(server.url)
         except OSError as error:
-            end = {"generates": False, "flushed": False, "held_after_flush": {}, "plugin_active": False,
-                   "counters": {}, "error": str(error)}
-        alive = server.process is not None and server.process.poll() is None
+            run["end"] = {**NO_END, "error": str(error)}
+        run["alive"] = server.process is not None and server.process.poll() is None
         # Read before the server is stopped: its scheduler's exit on SIGTERM is logged as a crash.
-        faults = server_faults(log)
-    return {"config": config, "report": report, "end": end, "alive": alive, "faults": faults, "log": str(log)}
+        run["faults"] = server_faults(log)
 
 
 def verdict(run: dict) -> list[str]:
@@ -132,7 +143,21 @@ def verdict(run: dict) -> list[str]:
         problems.append(f"{len(run['mismatches'])} replies differ from the reference")
     if counts["completed"] == 0:
         problems.append("no request completed")
+    wrong = reply_problems(report.completed)
+    if wrong:
+        problems.append(f"{len(wrong)} replies with a wrong prompt or cached-token count, e.g. {wrong[0]}")
     return problems
+
+
+def not_exercised(run: dict) -> list[str]:
+    """The faults and refill paths a run did not reach (too short, or too little pressure)."""
+    counts, counters = run["report"].counts, run["end"]["counters"]
+    reached = {"disconnects": counts["disconnected"], "aborts": counts["aborted"],
+               "quiet flushes": counts["flushes_done"],
+               "oversize prompts": counts["oversize_refused"], "malformed requests": counts["malformed_refused"],
+               "evictions": counters.get("evicted_tokens", 0) + counters.get("tier_demoted_tokens", 0),
+               "hole refills": counters.get("phantom_tokens", 0) + counters.get("chunk_refill_tokens", 0)}
+    return [name for name, count in reached.items() if not count]
 
 
 def table(runs: list[dict]) -> str:
@@ -144,7 +169,8 @@ def table(runs: list[dict]) -> str:
                      f"{c['oversize_refused']}/{c['oversize_sent']}", f"{c['malformed_refused']}/{c['malformed_sent']}",
                      counters.get("evicted_tokens", 0), counters.get("phantoms", 0),
                      counters.get("chunk_refill_tokens", 0), len(run["report"].unexpected), len(run["faults"]),
-                     len(run.get("mismatches", [])), "ok" if not verdict(run) else "FAIL"])
+                     "-" if run.get("mismatches") is None else len(run["mismatches"]),
+                     "interrupted" if run.get("interrupted") else "ok" if not verdict(run) else "FAIL"])
     head = ["config", "sent", "completed", "disconnects", "aborts", "flushes", "oversize 4xx", "malformed 4xx",
             "evicted", "phantoms", "hole chunks", "unexpected", "faults", "differ", "result"]
     return format_table(head, rows)
@@ -161,30 +187,64 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="folder for logs and soak.json")
     args = parser.parse_args(argv)
-    if args.minutes <= 0 or args.sessions < 1 or args.pool < MAX_CONTEXT + PAGE or args.chunk < PAGE:
-        parser.error(f"--minutes and --sessions must be positive, --pool at least {MAX_CONTEXT + PAGE}, "
-                     f"--chunk at least {PAGE}")
+    if args.minutes <= 0 or args.sessions < 1 or args.max_requests < 1:
+        parser.error("--minutes, --sessions and --max-requests must be positive")
+    if args.pool < MAX_CONTEXT + PAGE or args.chunk < PAGE or args.chunk % PAGE:
+        parser.error(f"--pool must be at least {MAX_CONTEXT + PAGE} tokens, --chunk a multiple of the page ({PAGE})")
     out = args.out or Path(tempfile.mkdtemp(prefix="penelope-soak-"))
     out.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(out / "tiny-qwen3")
-    word_level_tokenizer(model, VOCAB)
-    runs = [run_config(model, out, config, args) for config in args.configs]
-    with SGLangServer(server_spec(model, out / "server-reference.log", "reference", args.pool, args.chunk)) as ref:
-        for run in runs:
-            run["mismatches"] = asyncio.run(check_replies(ref.url, run["report"].completed))
-    print(table(runs))
+    runs: list[dict] = []
+    stopped = None
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        model = tiny_model(out / "tiny-qwen3")
+        word_level_tokenizer(model, VOCAB)
+        for config in args.configs:
+            run_config(model, out, config, args, runs)
+        with SGLangServer(server_spec(model, out / "server-reference.log", "reference", args.pool,
+                                      args.chunk)) as ref:
+            for run in runs:
+                run["mismatches"] = run_until_signal(check_replies(ref.url, run["report"].completed))
+    except (KeyboardInterrupt, Stopped) as signalled:
+        stopped = signal.SIGTERM if isinstance(signalled, Stopped) else signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return conclude(runs, out, args, stopped)
+
+
+class Stopped(Exception):
+    """SIGTERM: the runs end as on Ctrl-C (servers stopped, what finished kept)."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped()
+
+
+def conclude(runs: list[dict], out: Path, args, stopped) -> int:
+    """Print the table and what failed, write soak.json; the exit status."""
+    if runs:
+        print(table(runs))
     failed = False
     for run in runs:
-        for problem in verdict(run):
+        for problem in verdict(run) if not stopped else ():
             failed = True
             print(f"{run['config']}: {problem}")
+        missed = not_exercised(run)
+        if missed:
+            print(f"{run['config']}: not exercised (a longer run or a smaller pool reaches them): {', '.join(missed)}")
     summary = [{"config": r["config"], **r["report"].as_dict(), "end": r["end"], "alive": r["alive"],
-                "faults": r["faults"], "mismatches": r["mismatches"], "problems": verdict(r)} for r in runs]
+                "faults": r["faults"], "mismatches": r.get("mismatches"), "problems": verdict(r),
+                "not_exercised": not_exercised(r)} for r in runs]
     (out / "soak.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                               "runs": summary}, indent=1))
+                                               "interrupted": stopped.name if stopped else None, "runs": summary},
+                                              indent=1))
+    if stopped:
+        print(f"interrupted by {stopped.name}: {len(runs)} configuration(s) started, replies not checked "
+              f"against the reference where the table shows none")
+        print(f"logs and soak.json in {out}")
+        return 128 + stopped
     print(f"logs and soak.json in {out}")
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

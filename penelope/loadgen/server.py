@@ -1,7 +1,8 @@
 """An SGLang server for load tests: `python -m sglang.launch_server` on 127.0.0.1, in a process
 group of its own, its output kept in a log file, ready once `/health` answers 200, and its whole
 process group killed when it is stopped, when the `with` block ends (also on an exception or
-Ctrl-C), or when the Python process exits.
+Ctrl-C), or when the Python process exits; on Linux the server also gets SIGTERM when the process
+that started it dies in any other way (killed outright, or by a signal it does not handle).
 
     spec = ServerSpec(model="/path/to/model", args=("--radix-cache-backend", "penelope"),
                       log=Path("server.log"))
@@ -15,6 +16,7 @@ build or the tests' stand-in on `PYTHONPATH`.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -35,6 +37,16 @@ CPU_ARGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "tor
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 HOST = "127.0.0.1"
 STOP_TIMEOUT = 30.0
+
+
+def _stop_with_the_parent() -> None:
+    """In the server's process, before it starts: get SIGTERM when the process that started it
+    dies (Linux's parent-death signal), so a client killed outright (SIGKILL, or SIGTERM where
+    nothing handles it) leaves no server running; SGLang's launcher stops its own processes on
+    SIGTERM. Elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
 class ServerStartError(PenelopeError):
@@ -125,7 +137,7 @@ class SGLangServer:
         with open(self.spec.log, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env={**os.environ, **self.spec.env},
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_stop_with_the_parent)
         atexit.register(self.stop)
         try:
             self.wait_ready()

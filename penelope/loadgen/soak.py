@@ -121,9 +121,9 @@ class SoakReport:
 
 
 class _Soak:
-    def __init__(self, url: str, config: SoakConfig, http: aiohttp.ClientSession, progress=None):
+    def __init__(self, url: str, config: SoakConfig, http: aiohttp.ClientSession, report: SoakReport, progress=None):
         self.url, self.config, self.http, self.progress = url.rstrip("/"), config, http, progress
-        self.report = SoakReport()
+        self.report = report
         self.deadline = time.monotonic() + config.duration
         self.system = _ids(random.Random(f"{config.seed}/system"), config.system_tokens, config.vocab)
         # Sessions wait on `gate` before sending; `in_flight` counts requests sent and not ended.
@@ -315,18 +315,34 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
 
 
-async def soak(url: str, config: SoakConfig, progress=None) -> SoakReport:
-    """Run the soak against the server at `url` (see the module docstring); `progress(report)` is
-    called after every completed request."""
+async def soak(url: str, config: SoakConfig, progress=None, report: SoakReport | None = None) -> SoakReport:
+    """Run the soak against the server at `url` (see the module docstring) and return its report;
+    `progress(report)` is called after every completed request. `report`, if given, is filled as
+    the soak goes, so a caller keeps what happened when the soak is cancelled (Ctrl-C)."""
+    report = report if report is not None else SoakReport()
     started = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
-        run = _Soak(url, config, http, progress)
-        loops = [run.faults("flush", config.flush_every), run.faults("oversize", config.oversize_every),
-                 run.faults("malformed", config.malformed_every)]
-        await asyncio.gather(*(run.session(i) for i in range(config.sessions)), *loops)
-    run.report.seconds = time.monotonic() - started
-    return run.report
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+            run = _Soak(url, config, http, report, progress)
+            loops = [run.faults("flush", config.flush_every), run.faults("oversize", config.oversize_every),
+                     run.faults("malformed", config.malformed_every)]
+            await asyncio.gather(*(run.session(i) for i in range(config.sessions)), *loops)
+    finally:
+        report.seconds = time.monotonic() - started
+    return report
+
+
+def reply_problems(completed: list[Completed]) -> list[str]:
+    """What the server reported wrongly about its completed requests: a prompt length other than
+    the prompt sent, or more cached tokens than the prompt has."""
+    problems = []
+    for done in completed:
+        if done.prompt_tokens != len(done.prompt):
+            problems.append(f"{done.rid}: prompt_tokens {done.prompt_tokens}, sent {len(done.prompt)}")
+        if not 0 <= done.cached_tokens <= done.prompt_tokens:
+            problems.append(f"{done.rid}: cached_tokens {done.cached_tokens} of a {done.prompt_tokens}-token prompt")
+    return problems
 
 
 async def check_replies(url: str, completed: list[Completed], concurrency: int = 8) -> list[dict]:
