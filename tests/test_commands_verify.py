@@ -281,6 +281,8 @@ def _sglang_check_spec(argv, monkeypatch):
         raise _EnginesWouldStart
 
     monkeypatch.setattr(engine_verify, "check", check)
+    # The CUDA cases run on machines without a GPU too.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     with pytest.raises(_EnginesWouldStart):
         main(["verify", "--engine", "sglang", *argv])
     return seen["spec"]
@@ -348,3 +350,19 @@ def test_the_gpu_smoke_script_runs_the_projects_venv_over_every_configuration(tm
     assert configs["triton-sglang-det"][4] == "PENELOPE_ATTENTION=sglang"
     assert {attention for *_, attention in configs.values()} == {"PENELOPE_ATTENTION=ragged",
                                                                  "PENELOPE_ATTENTION=sglang"}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--policy", "oracle"], "--policy oracle is an offline reference"),
+    (["--swap-buffer", "2048"], "--swap-buffer applies to --engine reference only (verify --engine sglang does not"),
+])
+def test_sglang_engine_options_it_cannot_run_exit_2_before_any_engine(argv, message, capsys):
+    assert main(["verify", "--engine", "sglang", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_sglang_on_cuda_without_a_gpu_exits_2_before_any_engine(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["verify", "--engine", "sglang", "--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err

@@ -275,6 +275,36 @@ def test_the_host_memory_check_counts_every_rank_of_the_node(tmp_path):
         _start_up_check(server(tokens))
 
 
+def test_a_tier_sized_by_hicache_ratio_is_checked_at_start_up_when_the_pool_is_given(tmp_path):
+    """--hicache-ratio times --max-total-tokens is the tier's size before any weight loads: a tier
+    beyond the tree's 2**31 host slots, or beyond the node's memory, stops the launch in one line
+    (it failed inside the scheduler, after the weights loaded). Without the pool it is checked in
+    the scheduler, which knows it."""
+    model = config_folder(tmp_path / "Qwen3-8B", QWEN3_8B)
+    _start_up_check(_resolved_server_args(model, max_total_tokens=4096, hicache_ratio=2.0))
+    _start_up_check(_resolved_server_args(model, hicache_ratio=1e9))
+    with pytest.raises(UsageError, match=r"^penelope: a CPU tier of 4,096,000,000,000 tokens \(--hicache-ratio 1e\+09 "
+                                         r"x --max-total-tokens 4,096\) plus the swap buffer is beyond the 2\*\*31"):
+        _start_up_check(_resolved_server_args(model, max_total_tokens=4096, hicache_ratio=1e9))
+    with pytest.raises(UsageError, match=r"^penelope: the CPU tier needs .* GiB of host memory"):
+        _start_up_check(_resolved_server_args(model, max_total_tokens=4096, hicache_ratio=500_000.0))
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_the_swap_copy_kernel_is_refused_at_start_up_without_a_gpu(tmp_path, monkeypatch, interpret):
+    """copy 'triton' moves KV between a device pool and pinned host memory: on --device cpu (not
+    interpreted) the scheduler died at the first demotion; the launch stops in one line instead."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    model = config_folder(tmp_path / "Qwen3-8B", QWEN3_8B)
+    _start_up_check(_resolved_server_args(model, radix_eviction_policy_config={"copy": "triton"}))
+    server_args = _resolved_server_args(model, radix_eviction_policy_config={"copy": "triton", "cpu_cache": 1024})
+    if interpret == "1":
+        _start_up_check(server_args)
+        return
+    with pytest.raises(UsageError, match=r"^penelope: copy 'triton' needs a GPU"):
+        _start_up_check(server_args)
+
+
 def test_a_hub_model_id_gets_its_cost_model_from_the_config_sglang_loaded(tmp_path, caplog):
     """``--model-path Qwen/Qwen3-8B``: no folder of that name here, but SGLang's ModelConfig holds
     the config it fetched; the cost model is Qwen3-8B's, and the log says so."""

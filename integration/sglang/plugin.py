@@ -79,11 +79,12 @@ class PenelopeOptions:
 
     def __post_init__(self):
         known = policy_names(aliases=True)
+        servable = [name for name in known if not get_policy(name).uses_foresight]
         if self.policy not in known:
-            raise UsageError(f"penelope: unknown policy {self.policy!r} (known: {', '.join(known)})")
+            raise UsageError(f"penelope: unknown policy {self.policy!r} (known: {', '.join(servable)})")
         if get_policy(self.policy).uses_foresight:
             raise UsageError(f"penelope: policy {self.policy!r} is an offline reference that must be told the "
-                             "future (penelope simulate, penelope verify); a server cannot run it")
+                             "future (penelope simulate, penelope verify --engine reference); a server cannot run it")
         if self.block_size is not None:
             _positive(self.block_size, "block_size")
             if self.block_size > MAX_BLOCK_SIZE:

@@ -14,7 +14,9 @@ tier only when the user gave them (resolution defaults the ratio to 2.0 for SGLa
 from __future__ import annotations
 
 import logging
+import os
 
+from penelope.cache.host_tier import MAX_HOST_SLOTS
 from penelope.errors import UsageError
 
 from .backends import prefill_backend, riders_allowed
@@ -107,6 +109,11 @@ def kv_bytes_per_token(model_config, kv_cache_dtype: str, attention_tp: int) -> 
     return layers * model_config.get_num_kv_heads(attention_tp) * (head_dim + v_head_dim) * element
 
 
+def device_type(cfg) -> str:
+    """The device SGLang serves on ("cuda", "cpu", ...); None resolves to CUDA."""
+    return str(getattr(cfg, "device", None) or "cuda")
+
+
 def local_ranks(cfg) -> int:
     """Scheduler processes on this node, each with a CPU tier of its own: TP x PP ranks of every
     data-parallel replica, over the nodes."""
@@ -118,21 +125,31 @@ def check_host_memory(options: PenelopeOptions, block: int, server_args, cfg, mo
     """The CPU tiers of every rank on this node (``cpu_cache`` tokens, or ``--hicache-size`` GB
     per rank) must fit the free host memory together. Sized from SGLang's ModelConfig; a tier set
     by ``--hicache-ratio`` depends on the device pool, which only the scheduler knows: it is
-    checked there, per rank, when it is built."""
+    checked there, per rank, when it is built, and here too when ``--max-total-tokens`` gives the
+    pool. The swap-copy kernel (``copy`` ``triton``) is refused without a GPU."""
     from sglang.srt.runtime_context import attn_tp_size_of
 
     size_gb = server_args.hicache_size or 0
-    if not options.cpu_cache and size_gb <= 0:
+    ratio, pool = server_args.hicache_ratio, getattr(cfg, "max_total_tokens", None)
+    # A tier sized by --hicache-ratio is known here only when the device pool is given.
+    by_ratio = int(ratio * pool) if not options.cpu_cache and size_gb <= 0 and ratio and ratio > 0 and pool else 0
+    if not options.cpu_cache and size_gb <= 0 and not by_ratio:
         return
+    swap = max(options.swap_buffer, block)
+    if by_ratio + swap >= MAX_HOST_SLOTS:
+        raise UsageError(f"penelope: a CPU tier of {by_ratio:,} tokens (--hicache-ratio {ratio:g} x --max-total-tokens "
+                         f"{pool:,}) plus the swap buffer is beyond the 2**31 slots the tree can address")
+    if device_type(cfg) == "cpu" and options.copy == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError("penelope: copy 'triton' needs a GPU (the swap-copy kernel moves KV between the device "
+                         "pool and pinned host memory); use 'auto' or 'naive' with --device cpu")
     ranks = local_ranks(cfg)
     per_token = None if model is None else kv_bytes_per_token(model, cfg.kv_cache_dtype, attn_tp_size_of(cfg))
-    swap = max(options.swap_buffer, block)
     if per_token is None:
-        if options.cpu_cache:
+        if options.cpu_cache or by_ratio:
             return
         need, what = int(size_gb * _GB), f"{ranks} x {size_gb:g} GB"
     else:
-        tokens = options.cpu_cache or int(size_gb * _GB // per_token)
+        tokens = options.cpu_cache or by_ratio or int(size_gb * _GB // per_token)
         need = (tokens + swap) * per_token
         what = f"{ranks} rank{'s' if ranks > 1 else ''} x {tokens + swap:,} tokens x {per_token:,} bytes"
     check_fits(ranks * need, what)

@@ -30,6 +30,9 @@ from penelope.cache.slots import EMPTY_SLOTS, HostSlots, concat_slots
 from penelope.cache.tree import BlockState, Node, Released
 from penelope.errors import InvariantError, UsageError
 
+# Host slots a CPU tier and its swap buffer can have: the tree stores slots as int32.
+MAX_HOST_SLOTS = 2**31
+
 
 def _rows():
     return field(default_factory=lambda: EMPTY_SLOTS)
@@ -177,7 +180,7 @@ class TieredCache(KVCache, ABC):
         if cpu_capacity < self.block_size:
             raise UsageError(f"a two-tier cache needs a CPU tier of at least one block ({self.block_size} tokens), "
                              f"got {cpu_capacity}; use KVCache for a GPU-only cache")
-        if cpu_capacity + swap_buffer >= 2**31:
+        if cpu_capacity + swap_buffer >= MAX_HOST_SLOTS:
             raise UsageError(f"CPU tier {cpu_capacity} + swap buffer {swap_buffer} is beyond the 2**31 slots "
                              "the tree can address")
         self.gpu_capacity = self.capacity

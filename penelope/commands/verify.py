@@ -413,7 +413,7 @@ def check_engine_options(args) -> None:
         defaults = VerifyOptions()
         for name, flag in REFERENCE_ONLY.items():
             if getattr(args, name) != getattr(defaults, name):
-                raise UsageError(f"{flag} applies to --engine reference only (SGLang's Engine ignores it)")
+                raise UsageError(f"{flag} applies to --engine reference only (verify --engine sglang does not set it)")
         return
     for name, (flag, default) in SGLANG_ONLY.items():
         if getattr(args, name) != default:

@@ -46,6 +46,11 @@ def check_sglang_options(args) -> None:
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"--device {args.device}: --engine sglang runs on cpu or cuda; pick the GPU with "
                          "--engine-arg base_gpu_id=N")
+    from penelope.cache.policy import get_policy
+
+    if get_policy(args.policy).uses_foresight:
+        raise UsageError(f"--policy {args.policy} is an offline reference that must be told the future: a server "
+                         "cannot run it; use --engine reference")
     if args.cpu_cache < 0:
         raise UsageError(f"--cpu-cache must be a non-negative number of tokens, got {args.cpu_cache}")
     if args.cpu_cache and args.cpu_cache % args.page_size:
@@ -156,6 +161,11 @@ def run_sglang(args) -> int:
     check_sglang_options(args)
     extra = engine_args(args.engine_arg)
     check_engine_arg_keys(extra)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA device on this machine")
     if args.device == "cpu":
         import importlib.util
 
