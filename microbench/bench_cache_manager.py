@@ -70,7 +70,8 @@ def make_workload(seed: int = 0):
     return sessions, order
 
 
-def penelope_request(cache: KVCache, tokens: np.ndarray, request_len: int, reply_len: int) -> None:
+def penelope_request(cache: KVCache, tokens: np.ndarray, request_len: int, reply_len: int):
+    """One request through Penelope's caller protocol (match, lock, alloc, insert, unlock); its match."""
     match = cache.match(tokens[:request_len])
     handle = cache.lock(match)
     holes = sum(end - start for start, end in match.holes)
@@ -89,6 +90,7 @@ def penelope_request(cache: KVCache, tokens: np.ndarray, request_len: int, reply
     slots[match.compute_from:] = new[cursor:]
     cache.insert(tokens[:total], slots)
     cache.unlock(handle)
+    return match
 
 
 class SGLangSide:

@@ -48,6 +48,7 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from bench_cache_manager import penelope_request
 
 from penelope.cache.manager import KVCache
 
@@ -133,26 +134,8 @@ class KVCacheSide:
 
     def request(self, s: int, request_len: int, reply_len: int) -> None:
         # bench_cache_manager's protocol; this one counts the tokens hit (the first resident run).
-        cache, tokens = self.cache, self.workload.tokens[s]
-        match = cache.match(tokens[:request_len])
-        handle = cache.lock(match)
-        holes = sum(end - start for start, end in match.holes)
+        match = penelope_request(self.cache, self.workload.tokens[s], request_len, reply_len)
         self.hit_tokens += match.spans[0].end if match.spans and len(match.spans[0].slots) else 0
-        total = request_len + reply_len
-        new = cache.alloc(holes + total - match.compute_from)
-        slots = np.empty(total, dtype=np.int64)
-        cursor = 0
-        for span in match.spans:
-            if span.end > match.compute_from:
-                break
-            if len(span.slots):
-                slots[span.start:span.end] = span.slots
-            else:
-                slots[span.start:span.end] = new[cursor:cursor + len(span)]
-                cursor += len(span)
-        slots[match.compute_from:] = new[cursor:]
-        cache.insert(tokens[:total], slots)
-        cache.unlock(handle)
 
     def cached_tokens(self) -> int:
         return self.cache.evictable_size() + self.cache.protected_size()
