@@ -131,16 +131,17 @@ class PenelopeRadixCache(BasePrefixCache):
         # Seconds on rank 0's monotonic clock, as broadcast to every TP rank (``clock.py``): the
         # time hints carry. No wall clock is read here, so every rank decides alike.
         self.now = 0.0
+        # What earlier trees did before a reset replaced them (evictions, tier moves).
+        self._earlier = Counter()
+        self.cache = None
         self.reset()
 
     def reset(self):
         """Forget everything (SGLang clears its allocator alongside, e.g. on flush_cache). The
         counters of what the cache did (evictions, tier moves) go on from where they were, as
         SGLang's own counters do over a flush."""
-        if hasattr(self, "cache"):
+        if self.cache is not None:
             self._earlier.update(self._cache_counters())
-        else:
-            self._earlier = Counter()
         self.slots.reset()
         if self.host_tokens:
             self.cache = TwoTierCache(self.slots.capacity, self.host_tokens, block_size=self.block_size,
