@@ -24,13 +24,16 @@ case "$what" in
   test)
     pip_install torch==2.14.1 torchvision==0.29.1
     pip_install --no-deps sglang==0.5.23
-    # The pure-Python packages SGLang's mem_cache and Triton kernels import on CPU.
+    # The pure-Python packages SGLang's mem_cache and Triton kernels import on CPU, at the versions
+    # SGLang 0.5.23 pins. transformers must stay at 5.19.0: later releases import Hugging Face's
+    # `kernels` package at start-up, which this project's top-level kernels/ package shadows.
     pip_install numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
-      pyzmq tqdm IPython aiohttp transformers dill apache-tvm-ffi==0.1.11 sentencepiece \
-      compressed_tensors gguf openai==2.8.0 partial_json_parser einops
+      pyzmq tqdm IPython aiohttp transformers==5.19.0 tokenizers==0.23.2 dill apache-tvm-ffi==0.1.11 \
+      sentencepiece==0.2.1 compressed_tensors==0.18.0 gguf openai==2.8.0 partial_json_parser einops \
+      'python-dateutil<3'
     # What SGLang's real Engine needs on CPU (scheduler and detokenizer processes, HTTP layer).
     pip_install uvloop fastapi uvicorn setproctitle interegular python-multipart prometheus-client jsonschema \
-      soundfile \
+      soundfile==0.13.1 \
       xgrammar==0.2.7
     pip_install -e ".[test,bench,plot]"
     ;;
