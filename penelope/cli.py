@@ -19,7 +19,7 @@ import time
 from penelope.errors import Interrupted, PenelopeError, UsageError
 
 # Subcommand name -> module in penelope.commands, in the order `--help` lists them.
-COMMANDS = ("reproduce", "cost", "simulate", "analyze", "load", "ab", "verify")
+COMMANDS = ("reproduce", "cost", "simulate", "analyze", "load", "ab", "calibrate", "verify")
 EXIT_USAGE, EXIT_FAULT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 1, 130, 143
 
 

@@ -134,7 +134,7 @@ def verdict(run: dict) -> list[str]:
     if not run["alive"] or not end["generates"]:
         problems.append("server not serving at the end")
     if run["faults"]:
-        problems.append(f"{len(run['faults'])} scheduler fault lines in the log")
+        problems.append(f"{len(run['faults'])} scheduler fault lines in the log, the first: {run['faults'][0]}")
     if report.unexpected:
         problems.append(f"{len(report.unexpected)} unexpected answers")
     if not end["flushed"] or end["held_after_flush"] or not end["plugin_active"]:

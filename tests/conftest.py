@@ -2,12 +2,19 @@
 module imports triton). scripts/test.sh sets TRITON_INTERPRET=1 too; this makes a bare
 `python -m pytest` behave the same."""
 import os
+import signal
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests send SIGINT to the commands they start, as a terminal's Ctrl-C would. A suite started in
+# the background of a non-interactive shell inherits SIGINT ignored, and so would every command
+# it starts (Python then installs no KeyboardInterrupt handler): give them the default back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -134,7 +134,7 @@ def test_rounds_rotate_the_order():
     for c in range(3):
         places = [[c2 for r2, c2 in order if r2 == r].index(c) for r in range(3)]
         assert sorted(places) == [0, 1, 2]
-    assert run_order(2, 3, keep_servers=True) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert run_order(2, 3, servers="kept") == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     with pytest.raises(UsageError):
         run_order(2, 0)
 
@@ -148,7 +148,7 @@ def fake_run(config, round_, ttft, recomputed=None):
 
 def test_changes_are_paired_round_by_round():
     configs, _ = parse_configs(["sglang-lru", "penelope"], SETUP, None)
-    result = ABResult(configs, "sglang-lru", repeats=4, keep_servers=False)
+    result = ABResult(configs, "sglang-lru", repeats=4, servers_mode="fresh")
     base = [1.0, 2.0, 4.0, 8.0]
     mine = [0.9, 1.7, 3.7, None]
     for r in range(4):
@@ -260,6 +260,62 @@ def test_runner_interleaves_rounds_and_counts_each_servers_prefill(tmp_path):
     records = (tmp_path / "records-penelope.jsonl").read_text().splitlines()
     assert len(records) == 24
     assert {json.loads(line)["session"].split("#")[1] for line in records} == {"0", "1"}
+
+
+def test_resident_servers_start_once_stay_up_together_and_keep_the_rounds_interleaved(tmp_path):
+    configs, baseline = parse_configs(["sglang-lru", "penelope", "sglang-tlru"], SETUP, None)
+    started, up, stubs = [], set(), {}
+
+    @contextlib.contextmanager
+    def start(config, log):
+        started.append(config.name)
+        stub = CountingStub(dict(config.expect))
+        stub.policy = {"policy": config.penelope_policy} if config.penelope_policy else {}
+        with stub:
+            up.add(config.name)
+            stubs[config.name] = stub
+            try:
+                yield stub
+            finally:
+                up.discard(config.name)
+
+    seen_up = []
+    runner = ABRunner(configs, baseline, small_workload(), LoadConfig(sessions=2), scale=1.0, seed=5, page=16,
+                      out=tmp_path, start_server=start, repeats=2, servers="resident", warmup=1, warmup_requests=3,
+                      vocab=1000, say=lambda line: None, on_record=lambda name, record: seen_up.append(len(up)))
+    result = runner.run()
+    assert started == ["sglang-lru", "penelope", "sglang-tlru"] and not up
+    # Every measured request was served while all three servers were up.
+    assert seen_up and set(seen_up) == {3}
+    assert [(r.config, r.round) for r in result.runs] == [
+        ("sglang-lru", 0), ("penelope", 0), ("sglang-tlru", 0), ("penelope", 1), ("sglang-tlru", 1), ("sglang-lru", 1)]
+    assert [r.start_s is not None for r in result.runs] == [True, True, True, False, False, False]
+    for name, stub in stubs.items():
+        generated = [body for body in stub.requests if body.get("session_id")]
+        # One warm-up run of at most 3 requests, then two measured runs of 12, each on a flushed cache.
+        assert len(generated) == 3 + 2 * 12, name
+        assert stub.flushes >= 3
+    assert result.servers_mode == "resident" and report_payload(result)["servers_mode"] == "resident"
+    assert all(run.log.endswith(f"server-{run.config}.log") for run in result.runs)
+
+
+def test_a_server_failing_after_some_runs_keeps_them(tmp_path):
+    from penelope.loadgen.server import ServerStartError
+
+    configs, baseline = parse_configs(["sglang-lru", "penelope"], SETUP, None)
+    started = []
+    runner = ABRunner(configs, baseline, small_workload(), LoadConfig(sessions=2), scale=1.0, seed=5, page=16,
+                      out=tmp_path, start_server=stub_factory(started, interrupt_at=3, stop=ServerStartError("gone")),
+                      repeats=2, vocab=1000, say=lambda line: None)
+    result = runner.run()
+    assert len(result.runs) == 2 and str(result.error) == "gone" and not result.interrupted
+    assert "stopped by an error, gone" in report_text(result) and report_payload(result)["error"] == "gone"
+    # A failure before any run finished is the error itself.
+    runner = ABRunner(configs, baseline, small_workload(), LoadConfig(sessions=2), scale=1.0, seed=5, page=16,
+                      out=tmp_path, start_server=stub_factory([], interrupt_at=1, stop=ServerStartError("at once")),
+                      repeats=2, vocab=1000, say=lambda line: None)
+    with pytest.raises(ServerStartError, match="at once"):
+        runner.run()
 
 
 def test_ctrl_c_keeps_the_finished_runs(tmp_path):

@@ -2,9 +2,10 @@
 LRU, the tiny Qwen3 with real random weights, the prefix-aware CPU attention, 2 synthetic sessions
 of 10 turns at scale 16, 2 at once, a twentieth of their recorded think times (at most 0.5 s), on
 a KV pool of 2,560 tokens: the two histories (about 3,500 tokens at the end, their shared prefix
-counted once) do not fit, so both caches must evict. Each server is started once, warmed up with
-one unmeasured run, then runs the workload twice (its cache flushed before each). About 2 minutes
-on an idle machine, most of it the two servers' start-up.
+counted once) do not fit, so both caches must evict. Both servers are started once and stay up
+together (`--resident-servers`), each warmed up with one unmeasured run; the rounds then run
+interleaved (A B, B A), each on a flushed cache. About 2 minutes on an idle machine, most of it the
+two servers' start-up.
 
 Mechanics, not speed: every request finishes; both servers get the same prompts and send the same
 greedy replies (eviction changes what is recomputed, never what is computed); both servers read
@@ -36,13 +37,15 @@ def test_penelope_against_sglang_lru_on_forced_eviction(tmp_path, monkeypatch, c
     out = tmp_path / "ab"
     code = main(["ab", *CONFIGS, "--baseline", "sglang-lru", "--model", "tiny", "--pool", "2560", "--page-size", "16",
                  "--chunk", "1024", "--sessions", "2", "--limit-sessions", "2", "--turns", "10", "--scale", "16",
-                 "--think-time", "scale:0.05,cap:0.5", "--keep-servers", "--repeat", "2", "--startup-timeout", "300",
-                 "--no-plot", "--out", str(out)])
+                 "--think-time", "scale:0.05,cap:0.5", "--resident-servers", "--repeat", "2",
+                 "--startup-timeout", "300", "--no-plot", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "changes against sglang-lru, paired run by run" in printed
     result = json.loads((out / "ab.json").read_text())
-    assert [(run["config"], run["round"]) for run in result["runs"]] == [(c, r) for c in CONFIGS for r in (0, 1)]
+    assert [(run["config"], run["round"]) for run in result["runs"]] == [
+        ("penelope", 0), ("sglang-lru", 0), ("sglang-lru", 1), ("penelope", 1)]
+    assert result["servers_mode"] == "resident"
     assert not result["interrupted"] and result["pairs"] == {"penelope": [0, 1]}
     for run in result["runs"]:
         assert run["sent"] == run["finished"] == 20 and run["errors"] == 0 and run["stopped"] == "done"

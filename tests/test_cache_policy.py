@@ -13,12 +13,15 @@ SIX = ["leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block",
 
 
 BEYOND = ["ttl", "flop-recency", "penelope-agent", "oracle"]
+# SGLang's own policies, unlisted: by name only, not in `--policies all`.
+SGLANG = ["sglang-lru", "sglang-lfu", "sglang-slru", "sglang-tlru", "sglang-session"]
 
 
 def test_the_ablation_grid_is_registered_first_with_aliases():
     assert policy_names() == SIX + BEYOND
     assert list(policy.PAPER_GRID) == SIX
-    assert set(policy_names(aliases=True)) == set(SIX + BEYOND) | {"sglang", "penelope", "penelope-agent-no-prefetch"}
+    assert set(policy_names(aliases=True)) == set(SIX + BEYOND + SGLANG) | {"sglang", "penelope",
+                                                                           "penelope-agent-no-prefetch"}
     assert isinstance(get_policy("sglang"), LeafTailNode)
     assert isinstance(get_policy("penelope"), PrivateHeadBlock)
     assert get_policy("penelope").name == "private-head-block"

@@ -76,6 +76,9 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["simulate", "--gpu-cache", "inf"], "--gpu-cache: 'inf' is beyond"),
     (["simulate", "--gpu-cache", "nan"], "--gpu-cache: 'nan' is not a number"),
     (["simulate", "--gpu-cache", "100"], "--gpu-cache 100: no request of the workload fits"),
+    # 20,608 + 275 tokens fit 24K, the second turn's 26,876 + 586 do not: --prime would leave 0 requests.
+    (["simulate", "--limit-sessions", "1", "--turns", "2", "--prime", "--gpu-cache", "24K"],
+     "--gpu-cache 24K: no request --prime measures fits in it (the smallest needs 27,462 tokens"),
     (["simulate", "--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
     (["simulate", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["simulate", "--max-context", "1G"], "a synthetic workload of 24 sessions"),

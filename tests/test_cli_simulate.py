@@ -193,9 +193,11 @@ def test_repeat_one_is_the_single_unperturbed_replay(tmp_path):
 
 
 def test_repeat_reports_means_intervals_and_paired_verdicts(tmp_path, capsys):
+    # A 64K chunk holds these sessions' holes (up to 41K tokens) beside their new tokens, so they
+    # ride as phantoms; an 8K chunk would refill them hole-first, without the ragged kernel.
     payload = simulate(tmp_path, "--limit-sessions", "2", "--gpu-cache", "64K,96K", "--repeat", "3", "--jobs", "1",
                        "--band", "0.05", "--jitter", "0.1", "--perturb-seed", "4", "--phantom-kernel", "triton",
-                       "--plot", str(tmp_path / "e.png"))
+                       "--chunk-size", "64K", "--plot", str(tmp_path / "e.png"))
     ensemble = payload["config"]["ensemble"]
     assert (ensemble["repeat"], ensemble["band"], ensemble["jitter"], ensemble["seed"]) == (3, 0.05, 0.1, 4)
     assert payload["config"]["time_model"]["phantom_kernel"] == "triton"

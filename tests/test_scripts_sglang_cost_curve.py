@@ -2,32 +2,18 @@
 one short run through SGLang's real HTTP server on CPU produces every cache state it intends (the
 script checks each with the server's counters and exits 2 otherwise). Mechanics only: no speed is
 asserted."""
-import importlib.util
 import json
 import socket
-import sys
-from pathlib import Path
 
 import pytest
+import scripts_env
 
 from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model
 from penelope.engine.scale_model import scale_model_config
 from penelope.errors import UsageError
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sglang_cpu_cost_curve.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sglang_cpu_cost_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve the module's annotations through sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-script = load_script()
+script = scripts_env.load_script("sglang_cpu_cost_curve")
 
 
 @pytest.mark.parametrize(("context", "scale"), [(8192, 8), (16384, 8), (32768, 8), (4096, 16), (2048, 8)])

@@ -495,6 +495,39 @@ def test_a_released_receipt_cannot_release_another_holders_lock():
     serving.cache.check_invariants()
 
 
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_slots_are_checked_by_page_and_the_message_names_the_first_bad_slot(page):
+    """Whole pages are checked by page id; the slot named is the one a slot-by-slot check names
+    (the first in order), and slots that are not whole pages are checked slot by slot."""
+    serving = Serving(size=64 * 8, page_size=page)
+    cache, allocator = serving.cache, serving.allocator
+    held = allocator.alloc(128)
+    cache.insert(InsertParams(key=RadixKey(list(blocks(1, 2))), value=held))
+    mine = allocator.alloc(128)
+
+    def state():
+        nodes = sorted((n.start, n.key, n.slots.tolist(), n.state.tolist()) for n in cache.cache.tree.nodes())
+        return sorted(allocator.get_all_free_pages().tolist()), nodes, cache.total_size(), cache.slots.tree_size()
+
+    before = state()
+    key = RadixKey(list(blocks(900, 2)))
+    cases = [
+        (torch.cat([mine[:64], mine[page:64], mine[:page]]), f"slot {int(mine[0])} is passed twice"),
+        (torch.cat([mine[:64], held[64:]]), f"slot {int(held[64])} is already held by the cache"),
+        (torch.cat([mine[:128 - page], held[128 - page:]]), f"slot {int(held[128 - page])} is already held"),
+        # Not whole pages (one slot moved into the next page): named slot by slot.
+        (torch.cat([mine[1:65], mine[:1], held[65:]]), f"slot {int(held[65])} is already held"),
+        (torch.cat([mine[1:65], mine[1:2], mine[65:]]), f"slot {int(mine[1])} is passed twice"),
+    ]
+    for value, message in cases:
+        with pytest.raises(UsageError, match=f"^penelope: {message}"):
+            cache.insert(InsertParams(key=key, value=value))
+        assert state() == before
+    cache.insert(InsertParams(key=key, value=mine))
+    assert cache.evictable_size() == 256
+    cache.check_invariants()
+
+
 def test_slots_that_straddle_pages_are_refused():
     serving = Serving(size=64 * 8, page_size=64)
     slots = serving.allocator.alloc(128)

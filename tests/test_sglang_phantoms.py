@@ -356,3 +356,51 @@ def test_a_hole_two_riders_refill_in_one_batch_is_written_into_the_trees_slots(h
     assert serving.accounting()[0] == serving.total
     serving.cache.check_invariants()
     serving.check_tree_kv()
+
+
+def test_a_chunk_the_full_pool_cannot_take_waits_for_the_running_requests(budget_hooks):
+    """A chunked request whose next chunk finds the pool held by a running request: SGLang's
+    budget is spent, so it would force a whole chunk on an allocator with no free page and stop
+    the scheduler ("Prefill out of memory"). The chunk waits instead, and continues once the
+    running request has finished."""
+    serving = Serving(size=64 * 16, page_size=64)
+    tokens = blocks(1, 10) + [5]
+    adder = new_adder(serving, chunk=128)
+    req, _ = admit(serving, adder, tokens)
+    assert (req.prefix_len, req.extend_end) == (0, 128) and adder.new_chunked_req is req
+    batch = serving.build_batch([req])
+    serving.forward(batch)
+    serving.finish(batch, keep_running=True)
+    # Another request takes every other page and keeps running (decoding).
+    [other] = serving.admit([blocks(5000, 13) + list(range(9000, 9063))])
+    batch = serving.build_batch([other])
+    serving.forward(batch)
+    serving.finish(batch, keep_running=True)
+    assert serving.allocator.available_size() == 0 and serving.cache.evictable_size() == 0
+    parked = hooks.COUNTERS["parked_chunks"]
+    following = PrefillAdder(64, serving.cache, serving.allocator, ScheduleBatch(reqs=[other]), 0.5, 16384, 128)
+    req.init_next_round_input()
+    assert hooks._continue_chunk(PrefillAdder.add_chunked_req, following, req) is req
+    assert following.can_run_list == [] and hooks.COUNTERS["parked_chunks"] == parked + 1
+    assert req.prefix_len == 128
+    # The running request finishes: its KV becomes evictable and the chunks go on to the end.
+    serving.release(other)
+    serve_whole_prefill(serving, req, chunk=128)
+    assert serving.accounting()[0] == serving.total
+    serving.cache.check_invariants()
+
+
+def test_after_a_hole_first_cut_only_requests_that_fit_whole_join_the_batch(budget_hooks):
+    """A hole-first request's chunk stops at its hole's end and leaves chunk budget: a request
+    cut after it would replace it as the step's one chunked request (SGLang tracks one), and the
+    first would leave prefill with its prompt half computed. Only requests that fit whole join."""
+    serving = Serving(size=64 * 40, page_size=64, refill="hole-first")
+    system, history = serving.lose_front()
+    adder = new_adder(serving, chunk=512)
+    first, _ = admit(serving, adder, history + blocks(9000, 1) + [9])
+    assert (first.prefix_len, first.extend_end) == (128, 256) and adder.new_chunked_req is first
+    assert adder.rem_chunk_tokens == 384
+    cut, result = admit(serving, adder, blocks(7000, 8) + [1])
+    assert result == AddReqResult.OTHER and cut not in adder.can_run_list and adder.new_chunked_req is first
+    whole, _ = admit(serving, adder, system + [3, 4])
+    assert adder.can_run_list == [first, whole] and adder.new_chunked_req is first

@@ -34,6 +34,7 @@ def test_options_from_json_override_the_environment():
 @pytest.mark.parametrize(("config", "env", "message"), [
     ({"polcy": "penelope"}, {}, "unknown key 'polcy'"),
     ({"policy": "fifo"}, {}, "unknown policy 'fifo'"),
+    ({"policy": "sglang-tlru"}, {}, "port of SGLang's own policy; serve SGLang's with --radix-eviction-policy"),
     ({"block_size": 0}, {}, "block_size must be a positive integer"),
     ({"block_size": 64, "swap_buffer": 32, "cpu_cache": 1024}, {}, "swap_buffer 32 is smaller than one block"),
     ({"block_size": 64, "cpu_cache": 32}, {}, "cpu_cache 32 is smaller than one block"),

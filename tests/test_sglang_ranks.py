@@ -23,7 +23,9 @@ from penelope.integration.sglang import clock
 TOOL_CALL = 49_999
 # Every distinct policy class in the registry (aliases and unlisted ablations included), but the
 # offline oracle, which a server refuses.
-POLICIES = sorted({get_policy(name).name for name in policy_names(aliases=True)} - {"oracle"})
+# What the plugin serves: not the offline oracle, not the simulator's ports of SGLang's own policies.
+POLICIES = sorted({get_policy(name).name for name in policy_names(aliases=True)
+                   if not get_policy(name).name.startswith("sglang-")} - {"oracle"})
 # Rank 1's clocks: shifted by this much and jittered by up to JITTER at every call (seconds).
 SHIFT, JITTER = 0.004, 0.002
 

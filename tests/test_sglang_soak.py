@@ -10,24 +10,12 @@ end, nothing cached after the final flush, and every completed reply identical t
 server that computes every prompt whole. The five-minute run is the script's default
 (``python scripts/sglang_soak.py``; its figures are in integration/sglang/README.md).
 """
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+import scripts_env
 
-from penelope.loadgen.soak import SoakConfig
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sglang_soak.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sglang_soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from penelope.loadgen.soak import SoakConfig, server_faults
 
 
 @pytest.mark.parametrize("bad", [dict(vocab=2), dict(sessions=0), dict(max_context=5000), dict(max_context=100),
@@ -38,8 +26,21 @@ def test_a_bad_soak_configuration_is_refused(bad):
         SoakConfig(**settings)
 
 
+def test_a_scheduler_traceback_is_reported_by_its_last_frame_and_exception(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("[x] Prefill batch. #new-seq: 1\n"
+                   "[x] Scheduler hit an exception: Traceback (most recent call last):\n"
+                   '  File "scheduler.py", line 10, in run\n    step()\n'
+                   '  File "cache.py", line 99, in evict\n    assert held >= 0\n'
+                   "AssertionError: held -16\n\n[x] Decode batch.\n")
+    assert server_faults(log) == ['Traceback: File "cache.py", line 99, in evict -> AssertionError: held -16']
+    log.write_text("[x] ok\n[x] KV cache memory leak detected: 16 pages\n")
+    assert server_faults(log) == ["[x] KV cache memory leak detected: 16 pages"]
+    assert server_faults(tmp_path / "missing.log")[0].startswith("log unreadable")
+
+
 def test_a_short_soak_of_the_real_server(tmp_path, capsys):
-    script = load_script()
+    script = scripts_env.load_script("sglang_soak")
     code = script.main(["--minutes", "0.67", "--sessions", "16", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     runs = json.loads((tmp_path / "soak.json").read_text())["runs"]

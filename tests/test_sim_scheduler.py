@@ -2,27 +2,24 @@
 
 import numpy as np
 import pytest
+from sim_env import sim_request
+from test_sim_replay import simple_time_model
 
 from penelope.cache.manager import KVCache
+from penelope.costmodel.recompute import CostModel
+from penelope.costmodel.shapes import get_model
 from penelope.errors import CacheFullError, UsageError
 from penelope.sim.scheduler import Job, Scheduler
-from penelope.sim.workloads import HUMAN, Request, request_tokens
+from penelope.sim.server import Server
+from penelope.sim.workloads import request_tokens
 
 B = 64
 
 
 def make_job(keys, input_tokens, output_tokens=1, send_time=0.0, session="s", index=0, tail=10**6):
     """A job whose prompt is blocks `keys` then `input_tokens - len(keys)*B` unique tail tokens."""
-    request = Request(
-        keys=np.asarray(keys, dtype=np.int64),
-        input_tokens=input_tokens,
-        output_tokens=output_tokens,
-        think_time=0.0,
-        arrival=None,
-        kind=HUMAN,
-        tail_key=tail + index + 1000 * len(session),
-        source=f"{session}[{index}]",
-    )
+    request = sim_request(keys, input_tokens, output_tokens, tail_key=tail + index + 1000 * len(session),
+                          source=f"{session}[{index}]")
     return Job(session, index, request, send_time, request_tokens(request, B))
 
 
@@ -121,26 +118,28 @@ def test_chunked_prefill_cuts_one_request_and_continues_it_first():
     assert not scheduler.has_work()
 
 
-def test_phantom_holes_are_computed_first_and_count_against_the_budget():
+def test_holes_larger_than_the_chunk_are_refilled_hole_first():
     # Penelope evicts the front of a private history: a hole the next request must refill.
     cache = cache_with_history(8 * B, [1, 2, 3, 4, 5], policy="penelope")
     cache.evict(2 * B)
     holes = cache.match(request_tokens(make_job([1, 2, 3, 4, 5], 5 * B).request, B)).holes
-    assert holes and holes[0][0] == 0
+    assert holes == [(0, 2 * B)]
     scheduler = Scheduler(cache, "fcfs", chunk_size=B)
     job = make_job([1, 2, 3, 4, 5, 6], 6 * B + 4)
     scheduler.submit(job)
     [chunk] = scheduler.form_prefill()
-    hole_tokens = sum(end - start for start, end in holes)
-    assert job.phantom == hole_tokens == 2 * B
+    # The hole does not fit the chunk beside a page of new tokens: no riders, the request computes
+    # the hole itself, a chunk at a time, then jumps the resident [2B, 5B).
+    assert job.plan.hole_first and chunk.riders == ()
     assert chunk.segments == ((0, B),) and not chunk.last
+    assert chunk.chunk_refill_tokens == B and chunk.rider_tokens == 0
     assert job.recomputed[: len(holes)] == holes
     [rest] = scheduler.form_prefill()
-    assert rest.segments == ((B, 2 * B),)
+    assert rest.segments == ((B, 2 * B),) and rest.chunk_refill_tokens == B
     segments = []
     while scheduler.has_work():
         segments += [s for c in scheduler.form_prefill() for s in c.segments]
-    assert segments[-1][1] == 6 * B + 4 and segments[0][0] == 5 * B
+    assert segments == [(5 * B, 6 * B), (6 * B, 6 * B + 4)]
     cache.check_invariants()
 
 
@@ -166,3 +165,62 @@ def test_a_request_that_can_never_fit_is_refused():
         Scheduler(KVCache(4 * B, B), order="random")
     with pytest.raises(UsageError, match="chunk size"):
         Scheduler(KVCache(4 * B, B), chunk_size=0)
+
+
+def test_a_cut_prompt_is_cached_chunk_by_chunk_and_stays_locked():
+    cache = KVCache(4096, B, "sglang-lru")
+    scheduler = Scheduler(cache, "fcfs", chunk_size=2 * B)
+    job = make_job([1, 2, 3, 4, 5], 5 * B + 9, output_tokens=3)
+    scheduler.submit(job)
+    ends = []
+    while scheduler.has_work():
+        [chunk] = scheduler.form_prefill()
+        if not chunk.last:
+            scheduler.checkpoint(job)
+            ends.append(chunk.segments[-1][1])
+            cache.check_invariants()
+            # What it computed is in the tree, locked: none of it can be evicted.
+            assert cache.protected_size() == ends[-1] and cache.evictable_size() == 0
+    assert ends == [2 * B, 4 * B]
+    requests = cache.stats.requests
+    scheduler.release(job)
+    cache.check_invariants()
+    assert cache.stats.requests == requests == 1
+    # One node a chunk, as SGLang's tree after its checkpoints: a whole-leaf policy frees the last.
+    assert sorted((node.start, node.end) for node in cache.tree.nodes() if node is not cache.tree.root) \
+        == [(0, 2 * B), (2 * B, 4 * B), (4 * B, 5 * B)]
+    assert cache.evict(1).ranges == [(4 * B, 5 * B)]
+
+
+def test_a_checkpoint_takes_the_trees_copy_of_kv_another_request_cached_meanwhile():
+    cache = KVCache(4096, B, "penelope")
+    scheduler = Scheduler(cache, "fcfs", chunk_size=2 * B)
+    a = make_job([1, 2, 3], 3 * B + 1, session="a")
+    scheduler.submit(a)
+    [first] = scheduler.form_prefill()
+    assert first.segments == ((0, 2 * B),) and not first.last
+    # Another request computed and cached the same blocks while a's first chunk ran.
+    cache.insert(a.tokens[:3 * B], cache.alloc(3 * B))
+    free = cache.free_size()
+    scheduler.checkpoint(a)
+    cache.check_invariants()
+    # a's two computed blocks were duplicates: freed, and a reads the tree's copy from now on.
+    assert cache.free_size() == free + 2 * B
+    np.testing.assert_array_equal(a.slots[:2 * B], cache.match(a.tokens[:2 * B]).spans[0].slots)
+    [last] = scheduler.form_prefill()
+    assert last.last
+    scheduler.release(a)
+    cache.check_invariants()
+    assert cache.protected_size() == 0 and cache.evictable_size() == 3 * B
+
+
+def test_the_server_checkpoints_a_cut_prompt_when_its_chunk_has_run():
+    cache = KVCache(4096, B, "sglang-lru")
+    server = Server(0, cache, simple_time_model(), CostModel(get_model("qwen3-8b")), order="fcfs", chunk_size=2 * B)
+    job = make_job([1, 2, 3], 3 * B + 5, output_tokens=2)
+    server.receive(job, 0.0)
+    assert server.start() and not any(chunk.last for chunk in server.action)
+    assert cache.protected_size() == 0
+    server.complete()
+    cache.check_invariants()
+    assert cache.protected_size() == 2 * B and cache.match(job.tokens[:2 * B]).hit_tokens == 2 * B

@@ -3,11 +3,13 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
+from penelope.sim.server import decode_step_times
 from penelope.sim.timemodel import CALIBRATION_KEYS, TimeModel
 
 
@@ -245,3 +247,18 @@ def test_write_calibration_merges_files_of_the_same_model_and_gpu(tmp_path):
         "model": "qwen3-8b", "gpu": "h100", "source": "x", "decode_overhead": 1e-3}
     with pytest.raises(UsageError, match="unknown calibration keys tflops"):
         write_calibration(path, {"tflops": 1})
+
+
+def test_a_kv_read_growth_charges_each_kv_token_by_its_requests_context():
+    base = TimeModel.estimate("qwen3-8b")
+    model = dataclasses.replace(base, kv_read_growth=1 / 8192)
+    # Four requests of 16,384 tokens: each KV token read at (1 + 2) times the cost.
+    extra = base.kv_bytes_per_token * 65536 * 2 / base.hbm_bandwidth
+    assert model.decode_step_time(4, 65536) == pytest.approx(base.decode_step_time(4, 65536) + extra, rel=1e-12)
+    # The same KV held by 16 requests of 4,096 tokens grows by a half.
+    extra = base.kv_bytes_per_token * 65536 * 0.5 / base.hbm_bandwidth
+    assert model.decode_step_time(16, 65536) == pytest.approx(base.decode_step_time(16, 65536) + extra, rel=1e-12)
+    # The simulator's runs of decode steps charge it step by step.
+    times = decode_step_times(model, 3, 20_000, 50)
+    np.testing.assert_allclose(times, [model.decode_step_time(3, 20_000 + 3 * k) for k in range(50)], rtol=1e-12)
+    assert model.decode_step_time(0, 0) == 0.0

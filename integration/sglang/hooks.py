@@ -21,7 +21,7 @@ span), admission decides how they are refilled (``penelope.cache.refill``, ``pla
 | ``PrefillAdder._check_prefill_budget``                  | a hole-first request is not charged the     |
 |                                                         | resident spans it jumps over                |
 | ``PrefillAdder.add_chunked_req``                        | hole-first jumps; the chunk stops at the    |
-|                                                         | hole's end                                  |
+|                                                         | hole's end and fits the free pool, or waits |
 | ``ScheduleBatch.init_new``                              | the riders, each before its request         |
 | ``ScheduleBatch.prepare_for_extend``                    | riders' slots handed to the tree and linked |
 |                                                         | into the request's row                      |
@@ -72,9 +72,10 @@ _STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInter
 # Per scheduler process: tokens of every prefill batch (riders included) and of riders alone.
 # `prefill_positions` sums the positions of those tokens: the attention query-key pairs they cost,
 # per layer and head.
-# `ragged_batches`: phantom batches the ragged kernel of ``attention.py`` ran.
+# `ragged_batches`: phantom batches the ragged kernel of ``attention.py`` ran. `parked_chunks`:
+# steps a chunked request waited because the pool could not take a page of its next chunk.
 COUNTERS = {"prefill_tokens": 0, "prefill_positions": 0, "prefill_batches": 0, "phantom_tokens": 0, "phantoms": 0,
-            "ragged_batches": 0}
+            "ragged_batches": 0, "parked_chunks": 0}
 
 
 class PhantomFinished(BaseFinishReason):
@@ -130,11 +131,13 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
         # Its CPU spans cannot come back to the GPU now: too much KV is locked.
         return AddReqResult.NO_TOKEN
     plan = cache.plan_admission(req, adder.rem_chunk_tokens, rows, truncation_align_size)
-    if has_chunked_req and adder.rem_chunk_tokens is not None and (
+    chunking = has_chunked_req or adder.new_chunked_req is not None
+    if chunking and adder.rem_chunk_tokens is not None and (
             (plan is not None and plan.hole_first) or _chunk_need(adder, req, cache) > adder.rem_chunk_tokens):
-        # A chunked request continues past this step and SGLang tracks one at a time. Its chunk
-        # may have stopped short at a hole's end, leaving budget SGLang never expects to see
-        # used while a chunk is in flight: admit only what fits whole.
+        # A chunked request continues past this step (from the last step, or cut at a hole's end
+        # in this one) and SGLang tracks one at a time. Its chunk may have stopped short at a
+        # hole's end, leaving budget SGLang never expects to see used while a chunk is in flight:
+        # admit only what fits whole.
         return AddReqResult.OTHER
     if plan is None or plan.first_chunk_end is None:
         result = original(adder, req, has_chunked_req, truncation_align_size)
@@ -201,10 +204,30 @@ def _continue_chunk(original, adder, req):
         adder.log_device_hit_tokens += jumped
         if jumped and not req.retracted_stain and req._cache_breakdown_computed:
             req.cached_tokens_device += jumped
+        room = _continuation_room(adder, cache)
+        if room < cache.page_size and adder.running_batch is not None and not adder.running_batch.is_empty():
+            # The pool cannot take a page of this chunk now (the running requests hold it): the
+            # request waits for them to finish, as SGLang parks a chunk, instead of SGLang
+            # forcing a chunk the allocator must then refuse (which stops the scheduler).
+            COUNTERS["parked_chunks"] += 1
+            return req
+        if room >= cache.page_size:
+            cap = room if cap is None else min(cap, room)
         if cap is not None:
             limit = adder.chunked_req_limit
             adder.chunked_req_limit = cap if limit is None else min(limit, cap)
     return original(adder, req)
+
+
+def _continuation_room(adder, cache: PenelopeRadixCache) -> int:
+    """Tokens (whole pages) a chunked request's next chunk can be given slots for in this step:
+    free and evictable slots, less what the step's admissions reserved and one page of the
+    allocator's alignment. SGLang caps the chunk by its budget, which also counts the running
+    requests' future decode tokens, but forces a whole chunk when that budget is spent."""
+    page = cache.page_size
+    room = (cache.token_to_kv_pool_allocator.available_size() + cache.evictable_size()
+            - adder.memory_budget.current_offset - page)
+    return max(room, 0) // page * page
 
 
 def _reserve_hole_slots(original, adder, req, *args, **kwargs):

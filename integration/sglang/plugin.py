@@ -78,10 +78,16 @@ class PenelopeOptions:
     refill: str = "auto"
 
     def __post_init__(self):
+        from penelope.cache.sglang_policies import SGLangPolicy
+
         known = policy_names(aliases=True)
-        servable = [name for name in known if not get_policy(name).uses_foresight]
+        servable = [name for name in known
+                    if not get_policy(name).uses_foresight and not isinstance(get_policy(name), SGLangPolicy)]
         if self.policy not in known:
             raise UsageError(f"penelope: unknown policy {self.policy!r} (known: {', '.join(servable)})")
+        if isinstance(get_policy(self.policy), SGLangPolicy):
+            raise UsageError(f"penelope: {self.policy!r} is the simulator's port of SGLang's own policy; serve "
+                             "SGLang's with --radix-eviction-policy (without --radix-cache-backend penelope)")
         if get_policy(self.policy).uses_foresight:
             raise UsageError(f"penelope: policy {self.policy!r} is an offline reference that must be told the "
                              "future (penelope simulate, penelope verify --engine reference); a server cannot run it")

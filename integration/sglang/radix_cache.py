@@ -111,6 +111,7 @@ class PenelopeRadixCache(BasePrefixCache):
             options.refill, backend or prefill_backend(), page_interleave_shard_size(self.token_to_kv_pool_allocator))
         self.slots = SGLangSlots(self.token_to_kv_pool_allocator)
         self.device = self.slots.device
+        self._on_cpu = self.device.type == "cpu"
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.host_tokens = host_tokens(options.cpu_cache, hicache_size_gb, hicache_ratio, self.slots.capacity,
                                        kv_bytes_per_token(kv_pool))
@@ -230,7 +231,8 @@ class PenelopeRadixCache(BasePrefixCache):
         if params.value is None:
             raise UsageError("penelope: insert needs the KV slots of its key (value=None would cache token ids "
                              "as slots)")
-        self._check_slot_tensor(params.value)
+        value = params.value
+        self._check_slot_tensor(value)
         n = len(key) // self.block_size * self.block_size
         namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=True)
         if n == 0:
@@ -239,10 +241,13 @@ class PenelopeRadixCache(BasePrefixCache):
         # Where the blocks are is all this needs of the match (the tree keeps its leading slots).
         before = self.cache.match(tokens, slots=False)
         leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
-        if len(params.value) < n:
-            raise UsageError(f"penelope: insert of {n} tokens got {len(params.value)} slots")
+        if value.shape[0] < n:
+            raise UsageError(f"penelope: insert of {n} tokens got {value.shape[0]} slots")
         # The leading cached tokens keep the tree's slots: the passed ones there are not read.
-        slots = params.value[:n].to("cpu", torch.int64).numpy()
+        if value.dtype == torch.int64 and self._on_cpu and not value.requires_grad:
+            slots = value.numpy()[:n]
+        else:
+            slots = value[:n].to("cpu", torch.int64).numpy()
         self.slots.check_allocated(slots[leading:])
         self._insert(tokens, slots, before, leading)
         return InsertResult(prefix_len=leading, total_len=n)
@@ -383,10 +388,10 @@ class PenelopeRadixCache(BasePrefixCache):
     def prefix_device_indices(self, req) -> torch.Tensor:
         """Slots of the request's matched prefix [0, req.prefix_len); PAD_SLOT at holes until the
         phantoms' slots are linked in."""
-        return torch.from_numpy(req.last_node.slots(req.prefix_len)).to(self.device)
+        return self._to_device(req.last_node.slots(req.prefix_len))
 
     def path_device_indices(self, node: MatchRef) -> torch.Tensor:
-        return torch.from_numpy(node.slots(node.prefix_len)).to(self.device)
+        return self._to_device(node.slots(node.prefix_len))
 
     def dfs_weight_order(self, node_handles) -> list[int]:
         """Keep the given order: match handles are not tree nodes."""
@@ -623,6 +628,11 @@ class PenelopeRadixCache(BasePrefixCache):
         req.prefix_len = position
         kv.cache_protected_len = position
         kv.kv_committed_len = kv.kv_allocated_len = position
+
+    def _to_device(self, slots: np.ndarray) -> torch.Tensor:
+        """`slots` as a tensor on the pool's device (shares their memory on the CPU)."""
+        tensor = torch.from_numpy(slots)
+        return tensor if self._on_cpu else tensor.to(self.device)
 
     def _check_slot_tensor(self, value) -> None:
         """Raise UsageError unless `value` is what SGLang passes as slots: a 1-D int32/int64

@@ -3,9 +3,10 @@
 SGLang's scheduler allocates request slots itself; Penelope's cache only takes slots into its tree
 (inserts, refills) and gives slots back (evicted blocks, duplicates an insert found). A slot is
 therefore in one of three states: on SGLang's free list, held by a request (allocated, not in the
-tree), or held by the tree. This class tags the slots the tree holds, so a slot passed twice or
-one the tree already holds is refused before anything changes, and the tree never hands a slot
-back twice. Slots are SGLang's: ``page_size .. (pages + 1) * page_size - 1`` (page 0 pads).
+tree), or held by the tree. This class tags the pages the tree holds (the tree takes and gives
+back whole pages), so a slot passed twice or one the tree already holds is refused before anything
+changes, and the tree never hands a slot back twice. Slots are SGLang's:
+``page_size .. (pages + 1) * page_size - 1`` (page 0 pads).
 """
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from penelope.errors import InvariantError, UsageError
 
 
 class SGLangSlots:
-    """`capacity` token slots of SGLang's allocator, seen through Penelope's allocator protocol."""
+    """`capacity` token slots of SGLang's allocator, seen through Penelope's allocator protocol.
+
+    The tree takes slots only as whole pages, one page's slots in order (`check_outstanding`), and
+    gives back whole blocks of whole pages, so the tags and checks work on page ids (a page's
+    first slot // page_size) once a slot array is seen to be whole pages: a page is held when its
+    slots are."""
 
     def __init__(self, allocator):
         self.sglang = allocator
@@ -25,15 +31,18 @@ class SGLangSlots:
         self.capacity = allocator.size // allocator.page_size * allocator.page_size
         self.device = torch.device(allocator.device)
         self._end = self.capacity + self.page_size
-        self._in_tree = np.zeros(self._end, dtype=bool)
+        self._pages_end = self._end // self.page_size
+        # Pages the tree holds, by page id.
+        self._in_tree = np.zeros(self._pages_end, dtype=bool)
         self._held = 0
-        # Scratch for the duplicate check: slot -> index of its last occurrence.
-        self._stamp = np.zeros(self._end, dtype=np.int64)
+        # Scratch for the duplicate check: page id -> index of its last occurrence.
+        self._stamp = np.zeros(self._pages_end, dtype=np.int64)
+        self._offsets = np.arange(self.page_size, dtype=np.int64)
         # The stock allocators free pages named by id as they are; others (page-interleaved
         # shards) only through `free`.
         self._by_page_id = type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
         # Scratch for `check_allocated`: one flag per page id, all False between calls.
-        self._free_page = np.zeros(self._end // self.page_size + 1, dtype=bool)
+        self._free_page = np.zeros(self._pages_end + 1, dtype=bool)
 
     def free_size(self) -> int:
         return self.sglang.available_size()
@@ -55,26 +64,29 @@ class SGLangSlots:
         return self.capacity - self.sglang.available_size() - self._held
 
     def check_outstanding(self, slots: np.ndarray) -> None:
-        """Raise UsageError unless `slots` are distinct pool slots the tree does not hold."""
+        """Raise UsageError unless `slots` are distinct pool slots the tree does not hold, in whole
+        pages (one page's slots in order)."""
         if not len(slots):
             return
-        low, high = int(slots.min()), int(slots.max())
-        if low < self.page_size or high >= self._end:
-            raise UsageError(f"penelope: slot {low if low < self.page_size else high} is outside SGLang's "
-                             f"pool [{self.page_size}, {self._end})")
-        held = self._in_tree[slots]
-        if held.any():
-            raise UsageError(f"penelope: slot {int(slots[held][0])} is already held by the cache")
-        order = np.arange(len(slots), dtype=np.int64)
-        self._stamp[slots] = order
-        if not np.array_equal(self._stamp[slots], order):
-            raise UsageError(f"penelope: slot {int(slots[self._stamp[slots] != order][0])} is passed twice")
+        pages = self._whole_pages(slots)
+        if pages is None:
+            # Not whole pages: the checks slot by slot name the first bad slot, as for whole pages.
+            self._check_slots(slots)
+            raise UsageError(f"penelope: slots must fill whole pages of {self.page_size} (one page's slots in order)")
         page = self.page_size
-        if page > 1:
-            # The tree frees a block's slots page by page: each page's slots must be one whole page.
-            pages = slots.reshape(-1, page) if len(slots) % page == 0 else None
-            if pages is None or (pages[:, 0] % page).any() or (np.diff(pages, axis=1) != 1).any():
-                raise UsageError(f"penelope: slots must fill whole pages of {page} (one page's slots in order)")
+        low, high = int(pages.min()), int(pages.max())
+        if low < 1 or high >= self._pages_end:
+            raise UsageError(f"penelope: slot {low * page if low < 1 else high * page + page - 1} is outside "
+                             f"SGLang's pool [{page}, {self._end})")
+        held = self._in_tree[pages]
+        if held.any():
+            raise UsageError(f"penelope: slot {int(pages[held][0]) * page} is already held by the cache")
+        order = np.arange(len(pages), dtype=np.int64)
+        stamp = self._stamp
+        stamp[pages] = order
+        repeated = stamp[pages] != order
+        if repeated.any():
+            raise UsageError(f"penelope: slot {int(pages[repeated][0]) * page} is passed twice")
 
     def check_allocated(self, slots: np.ndarray) -> None:
         """Raise UsageError if a page of `slots` is on SGLang's free list (never allocated, or
@@ -82,12 +94,18 @@ class SGLangSlots:
         free_pages = self.sglang.get_all_free_pages()
         if free_pages is None or not len(slots):
             return
-        pages = slots // self.page_size
+        # Slots that are not whole pages are refused by `check_outstanding` before anything
+        # changes; of whole pages, each page's first slot names it.
+        page = self.page_size
+        if page == 1:
+            pages = slots
+        else:
+            pages = slots[::page] // page if len(slots) % page == 0 else slots // page
         flags = self._free_page
         if int(pages.min()) < 0 or int(pages.max()) >= len(flags):
             # Outside the pool: `check_outstanding` refuses these slots.
             return
-        free = free_pages.to("cpu", torch.int64).numpy()
+        free = free_pages.numpy() if self._cpu_ids(free_pages) else free_pages.to("cpu", torch.int64).numpy()
         # Page-indexed flags, set and cleared again: linear in the free list, no sort.
         flags[free] = True
         listed = flags[pages]
@@ -97,8 +115,8 @@ class SGLangSlots:
                              "SGLang's free list)")
 
     def adopt(self, slots: np.ndarray) -> None:
-        """The tree takes slots a request held (checked by `check_outstanding`)."""
-        self._in_tree[slots] = True
+        """The tree takes slots a request held (checked by `check_outstanding`: whole pages)."""
+        self._in_tree[self._page_ids(slots)] = True
         self._held += len(slots)
 
     def free(self, slots: np.ndarray) -> None:
@@ -112,15 +130,14 @@ class SGLangSlots:
         without the sort that `free` runs to find the pages."""
         if not len(slots):
             return
-        if not self._in_tree[slots].all():
+        pages = self._page_ids(slots)
+        if not self._in_tree[pages].all():
             raise InvariantError("penelope: the tree released a slot it did not hold")
-        self._in_tree[slots] = False
+        self._in_tree[pages] = False
         self._held -= len(slots)
         if not self._by_page_id:
             self._give_back(slots)
             return
-        page = self.page_size
-        pages = slots[::page] // page if page > 1 else slots
         self.sglang.free_page_ids(torch.from_numpy(np.ascontiguousarray(pages)).to(self.device))
 
     def reset(self) -> None:
@@ -129,13 +146,14 @@ class SGLangSlots:
         self._held = 0
 
     def tree_slots(self) -> np.ndarray:
-        """Every slot the tree holds (int64)."""
-        return np.flatnonzero(self._in_tree).astype(np.int64)
+        """Every slot the tree holds (int64), ascending."""
+        pages = np.flatnonzero(self._in_tree).astype(np.int64)
+        return (pages[:, None] * self.page_size + self._offsets).ravel()
 
     def check(self, cached: np.ndarray) -> None:
         """Raise InvariantError unless the tags match the tree's slots (`cached`) exactly and no
         page the tree holds is on SGLang's free list."""
-        if len(cached) != self._held or not self._in_tree[cached].all():
+        if len(cached) != self._held or not self._in_tree[cached // self.page_size].all():
             raise InvariantError(f"penelope: {self._held} slots tagged as the tree's, the tree holds {len(cached)}")
         free_pages = self.sglang.get_all_free_pages()
         if free_pages is None or not len(cached):
@@ -143,6 +161,42 @@ class SGLangSlots:
         both = np.intersect1d(np.unique(cached // self.page_size), free_pages.to("cpu", torch.int64).numpy())
         if len(both):
             raise InvariantError(f"penelope: page {int(both[0])} is both in the tree and on SGLang's free list")
+
+    def _whole_pages(self, slots: np.ndarray) -> np.ndarray | None:
+        """The page ids of `slots` if they are whole pages, each page's slots in order; else None."""
+        page = self.page_size
+        if page == 1:
+            return slots
+        if len(slots) % page:
+            return None
+        rows = slots.reshape(-1, page)
+        first = rows[:, 0]
+        if (first % page).any() or (rows != first[:, None] + self._offsets).any():
+            return None
+        return first // page
+
+    @staticmethod
+    def _cpu_ids(ids: torch.Tensor) -> bool:
+        """Whether `ids` reads as an int64 numpy array as it is (no copy, no conversion)."""
+        return ids.dtype == torch.int64 and ids.is_cpu and not ids.requires_grad
+
+    def _page_ids(self, slots: np.ndarray) -> np.ndarray:
+        """Page ids of slots known to be whole pages in order."""
+        return slots if self.page_size == 1 else slots[::self.page_size] // self.page_size
+
+    def _check_slots(self, slots: np.ndarray) -> None:
+        """Raise UsageError naming the first slot outside the pool, held by the tree, or passed
+        twice (slots that are not whole pages)."""
+        low, high = int(slots.min()), int(slots.max())
+        if low < self.page_size or high >= self._end:
+            raise UsageError(f"penelope: slot {low if low < self.page_size else high} is outside SGLang's "
+                             f"pool [{self.page_size}, {self._end})")
+        held = self._in_tree[slots // self.page_size]
+        if held.any():
+            raise UsageError(f"penelope: slot {int(slots[held][0])} is already held by the cache")
+        _, first, counts = np.unique(slots, return_index=True, return_counts=True)
+        if (counts > 1).any():
+            raise UsageError(f"penelope: slot {int(slots[first[counts > 1].min()])} is passed twice")
 
     def _give_back(self, slots: np.ndarray) -> None:
         if len(slots):

@@ -3,7 +3,8 @@
 - `tree`: the radix tree over whole KV blocks, a state per block (GPU, CPU, MISSING).
 - `slots`: the slot pools (device and host rows) behind one allocator interface.
 - `policy`, `agent_policy`: where and what to evict (the paper's grid, agent- and cost-aware
-  policies, the offline oracle); `hints`: what a server tells the policies.
+  policies, the offline oracle); `sglang_policies`: SGLang's own policies, ported (baselines);
+  `hints`: what a server tells the policies.
 - `manager`: `KVCache`, the GPU-only cache manager (match, lock, alloc, insert, unlock, evict).
 - `host_tier`, `tiers`: the second tier (host memory and its swap buffer) and `TwoTierCache`;
   `swap_executor` runs the tier plans on real KV pools.

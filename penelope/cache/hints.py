@@ -62,12 +62,16 @@ class Hint:
 
     now: seconds on the caller's monotonic clock; event: `"arrived"` or `"finished"`;
     waits_for: with `"finished"`, `"tool"`, `"human"` or None; foresight: with `"finished"`, for
-    a policy with `uses_foresight` only."""
+    a policy with `uses_foresight` only; session: the request's session id where the server
+    knows one (SGLang's `session_id`), else None; closes: with `"finished"` and a session, the
+    client closes the session after this request (its last: SGLang's close_session)."""
 
     now: float
     event: str
     waits_for: str | None = None
     foresight: Foresight | None = None
+    session: str | None = None
+    closes: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.now, bool) or not isinstance(self.now, (int, float)) or not math.isfinite(self.now):
@@ -79,6 +83,10 @@ class Hint:
                              f"got {self.waits_for!r}")
         if self.event == ARRIVED and (self.waits_for is not None or self.foresight is not None):
             raise UsageError("hint: an arrival carries no wait kind or foresight")
+        if self.session is not None and not isinstance(self.session, str):
+            raise UsageError(f"hint: session must be a string or None, got {self.session!r}")
+        if self.closes is not False and (self.closes is not True or self.event != FINISHED or self.session is None):
+            raise UsageError("hint: closes=True goes with a finished request of a session")
 
 
 @dataclass(eq=False)

@@ -72,10 +72,12 @@ class MatchResult:
 class LockHandle:
     """A lock on one matched root path; `unlock` it exactly once."""
 
-    __slots__ = ("node", "active", "owner", "match")
+    __slots__ = ("node", "active", "owner", "match", "inserted")
 
-    def __init__(self, node: Node, owner: KVCache, match: MatchResult):
+    def __init__(self, node: Node, owner: KVCache, match: MatchResult, inserted: int = 0):
         self.node, self.active, self.owner, self.match = node, True, owner, match
+        # Tokens the request inserted so far through `KVCache.checkpoint`.
+        self.inserted = inserted
 
 
 @dataclass(frozen=True)
@@ -210,16 +212,22 @@ class KVCache:
         n_blocks = len(tokens) // bs
         path = tree.commit(*tree.walk(tokens, n_blocks))
         tree.touch(path)
+        self.policy.matched(tree, path)
         spans = self._spans(path, slots)
-        resident = [s for s in spans if s.state != BlockState.MISSING]
-        compute_from = resident[-1].end if resident else 0
-        holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
         matched = path[-1].end if path else 0
+        if len(spans) == 1 and spans[0].state == BlockState.GPU:
+            # The common case, one resident span: no holes, nothing on the CPU tier.
+            compute_from, holes, loads, hit = matched, [], [], matched
+        else:
+            resident = [s for s in spans if s.state != BlockState.MISSING]
+            compute_from = resident[-1].end if resident else 0
+            holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
+            loads = [s for s in spans if s.state == BlockState.CPU]
+            hit = sum(len(s) for s in resident)
         seen = self._seen_until(tokens, path, matched, n_blocks)
-        recomputed = holes + ([(compute_from, seen)] if seen > compute_from else [])
-        return MatchResult(spans, holes, [s for s in spans if s.state == BlockState.CPU], compute_from,
-                           path[-1] if path else tree.root, len(tokens), matched,
-                           sum(len(s) for s in resident), recomputed, tree.epoch, self)
+        recomputed = holes + [(compute_from, seen)] if seen > compute_from else list(holes)
+        return MatchResult(spans, holes, loads, compute_from, path[-1] if path else tree.root, len(tokens), matched,
+                           hit, recomputed, tree.epoch, self)
 
     def is_fresh(self, match: MatchResult) -> bool:
         """Whether `match` still describes the tree: nothing was evicted since it was made."""
@@ -279,7 +287,8 @@ class KVCache:
         """Return slots from `alloc` that will not be inserted."""
         self.allocator.free(int_array(slots, "slots"))
 
-    def insert(self, tokens, slots, match: MatchResult | None = None, tree_prefix: int = 0) -> InsertResult:
+    def insert(self, tokens, slots, match: MatchResult | None = None, tree_prefix: int = 0,
+               earlier: int = 0) -> InsertResult:
         """Cache `tokens` whose KV is in `slots` (`slots[i]` holds tokens[i]); takes every slot.
 
         Blocks already on the GPU keep their slots (different slots passed for them are freed);
@@ -291,7 +300,10 @@ class KVCache:
         cached before inserting); while it is fresh, its path saves walking the tree again.
         `tree_prefix`: the first `tree_prefix` tokens lie in the leading GPU span of `match`, which
         must be fresh: they keep the tree's slots, and `slots` there is neither read nor freed (a
-        caller that would only copy the tree's slots in, to have them compared back)."""
+        caller that would only copy the tree's slots in, to have them compared back).
+        `earlier`: the first tokens of `tokens` the same request inserted before (its checkpoints,
+        `LockHandle.inserted`), for a policy that counts inserts per node (SGLang's hit count)."""
+        earlier = count(earlier, "earlier")
         tokens = int_array(tokens, "tokens")
         slots = int_array(slots, "slots")
         if len(slots) != len(tokens):
@@ -305,45 +317,124 @@ class KVCache:
         full = n_blocks * bs
         path, last = self._walk_again(match, tokens, n_blocks) if match is not None else tree.walk(tokens, n_blocks)
         walked = path[-1].start + last * bs if path else 0
-        # The tree's slots of [lo, walked), against the passed ones.
-        parts = [node.slots[max(lo - node.start, 0):] for node in path[:-1] if node.end > lo]
-        if path and path[-1].start + last * bs > lo:
-            parts.append(path[-1].slots[max(lo - path[-1].start, 0):last * bs])
-        stored = np.concatenate(parts) if parts else EMPTY_SLOTS
-        passed = slots[lo:walked]
-        differs = stored != passed
-        if any(node.n_gpu < node.n_blocks for node in path):
-            # Holes and CPU blocks take the passed slots (a GPU slot number may equal the host
-            # slot number of a CPU block: still not a duplicate).
-            state = np.concatenate([np.repeat(node.state, bs) for node in path])[lo:walked]
-            taken = state != _GPU
-            refill, differs = passed[taken], differs & ~taken
-        else:
-            refill = EMPTY_SLOTS
-        # Usually the caller passes back the slots match() gave it: no duplicates to gather.
-        duplicates = passed[differs] if differs.any() else EMPTY_SLOTS
-        kept = np.concatenate([refill, slots[walked:full]])
-        returned = np.concatenate([duplicates, slots[full:]])
-        self.allocator.check_outstanding(np.concatenate([kept, returned]))
+        on_gpu = all(node.n_gpu == node.n_blocks for node in path)
+        refill = duplicates = EMPTY_SLOTS
+        if lo < walked:
+            # The tree's slots of [lo, walked), against the passed ones.
+            parts = [node.slots[max(lo - node.start, 0):] for node in path[:-1] if node.end > lo]
+            if path[-1].start + last * bs > lo:
+                parts.append(path[-1].slots[max(lo - path[-1].start, 0):last * bs])
+            stored = np.concatenate(parts) if parts else EMPTY_SLOTS
+            passed = slots[lo:walked]
+            differs = stored != passed
+            if not on_gpu:
+                # Holes and CPU blocks take the passed slots (a GPU slot number may equal the host
+                # slot number of a CPU block: still not a duplicate).
+                state = np.concatenate([np.repeat(node.state, bs) for node in path])[lo:walked]
+                taken = state != _GPU
+                refill, differs = passed[taken], differs & ~taken
+            # Usually the caller passes back the slots match() gave it: no duplicates to gather.
+            if differs.any():
+                duplicates = passed[differs]
+        kept = np.concatenate([refill, slots[walked:full]]) if len(refill) else slots[walked:full]
+        returned = np.concatenate([duplicates, slots[full:]]) if len(duplicates) or full < len(slots) else EMPTY_SLOTS
+        self.allocator.check_outstanding(np.concatenate([kept, returned]) if len(returned) else kept)
 
         path = tree.commit(path, last)
-        for node in path:
-            if node.n_resident < node.n_blocks:
-                blocks = np.flatnonzero(node.state == BlockState.MISSING)
-                tree.refill(node, blocks, slots[_positions(node, blocks, bs)])
-            if node.n_gpu < node.n_resident:
-                blocks = np.flatnonzero(node.state == _CPU)
-                self._replace_host_copy(node, blocks, slots[_positions(node, blocks, bs)])
+        if not on_gpu:
+            for node in path:
+                if node.n_resident < node.n_blocks:
+                    blocks = np.flatnonzero(node.state == BlockState.MISSING)
+                    tree.refill(node, blocks, slots[_positions(node, blocks, bs)])
+                if node.n_gpu < node.n_resident:
+                    blocks = np.flatnonzero(node.state == _CPU)
+                    self._replace_host_copy(node, blocks, slots[_positions(node, blocks, bs)])
         if walked < full:
             leaf = tree.add_leaf(path[-1] if path else tree.root, tokens[walked:full], slots[walked:full])
             path.append(leaf)
             if self._track:
                 self._seen.update(leaf.hashes.tolist())
         tree.touch(path)
+        self.policy.inserted(tree, path, earlier)
         self.allocator.adopt(kept)
         if len(returned):
             self.allocator.free(returned)
         return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
+
+    def checkpoint(self, handle: LockHandle, tokens, slots) -> tuple[LockHandle, np.ndarray]:
+        """A running request caches the KV it computed so far and keeps it locked (SGLang's
+        `checkpoint`, after every chunk of a chunked prompt): `tokens` (int64 [n]) are its first
+        n positions, their KV in `slots` ([n]); `handle` locks its matched path, whose tokens
+        agree with `tokens` as far as both go.
+
+        The whole blocks of `tokens` are inserted as `insert` does (duplicates freed, holes
+        refilled); the slots of a partial last block are not, and stay the caller's. The lock
+        moves to the node where those blocks end when that lies beyond `handle`'s path (a new
+        handle; `handle` is released, with no pruning: its node is on the new path), else
+        `handle` keeps it. The request is not counted again in `stats`, and nothing is matched,
+        so no policy sees a match; the handle's `inserted` grows to the whole blocks inserted (an
+        insert counts what the request inserted before apart, `insert`'s `earlier`). Returns
+        the handle that locks the request now and the tree's
+        slots of the whole blocks (int64 [n // block_size * block_size]): where they differ from
+        `slots`, the tree kept its own copy and the passed slot was freed."""
+        if not isinstance(handle, LockHandle) or handle.owner is not self or not handle.active:
+            raise UsageError("checkpoint() takes an active handle returned by this cache's lock()")
+        tokens = int_array(tokens, "tokens")
+        slots = int_array(slots, "slots")
+        if len(slots) != len(tokens):
+            raise UsageError(f"{len(tokens)} tokens but {len(slots)} slots")
+        tree, bs = self.tree, self.block_size
+        n_blocks = len(tokens) // bs
+        full = n_blocks * bs
+        path, last = tree.walk(tokens, n_blocks)
+        walked = path[-1].start + last * bs if path else 0
+        node = handle.node
+        locked = node.end if node is not tree.root else 0
+        if locked <= full:
+            agrees = node is tree.root or (walked >= locked and any(step is node for step in path))
+        else:
+            agrees = walked == full and (not path or path[-1] in tree.path_to_root(node))
+        if not agrees:
+            raise UsageError(f"checkpoint(): the {len(tokens)} tokens differ from the locked path's "
+                             f"{locked} tokens")
+        if full == 0:
+            return handle, EMPTY_SLOTS
+        self.insert(tokens[:full], slots[:full], earlier=handle.inserted)
+        path, _ = tree.walk(tokens, n_blocks)
+        if path[-1].end != full:
+            raise InvariantError(f"checkpoint(): the insert of {full} tokens left a path of {path[-1].end}")
+        kept = np.concatenate([step.slots for step in path], dtype=np.int64)
+        if locked >= full:
+            handle.inserted = max(handle.inserted, full)
+            return handle, kept
+        moved = LockHandle(path[-1], self, handle.match, max(handle.inserted, full))
+        tree.lock(path[-1], +1)
+        self._locks.add(moved)
+        handle.active = False
+        self._locks.discard(handle)
+        tree.lock(node, -1)
+        return moved, kept
+
+    def release(self, handle: LockHandle, tokens, slots, prompt: int) -> None:
+        """A request finished (SGLang's `release_kv_cache`): a last `checkpoint` of `tokens` (its
+        prompt of `prompt` tokens, then the reply tokens whose KV it computed), with their KV in
+        `slots[:len(tokens)]`; where the policy models SGLang's own cache
+        (`EvictionPolicy.splits_reply_off`) the prompt's whole blocks are inserted once more, which
+        splits the reply into a leaf of its own; the slots the tree did not take (the partial last
+        block's and any beyond `tokens`) are freed and the lock released."""
+        tokens = int_array(tokens, "tokens")
+        slots = int_array(slots, "slots")
+        prompt = count(prompt, "prompt")
+        if len(slots) < len(tokens) or prompt > len(tokens):
+            raise UsageError(f"release() takes a prompt of {prompt} within {len(tokens)} tokens and a slot for "
+                             f"each, got {len(slots)}")
+        handle, held = self.checkpoint(handle, tokens, slots[:len(tokens)])
+        whole = prompt // self.block_size * self.block_size
+        if self.policy.splits_reply_off and 0 < whole < len(held):
+            self.insert(tokens[:whole], held[:whole], earlier=whole)
+        if len(held) < len(slots):
+            self.free(slots[len(held):])
+        self.unlock(handle)
 
     def _tree_prefix(self, match: MatchResult | None, tree_prefix) -> int:
         """`tree_prefix` checked against `match` (see `insert`)."""
@@ -490,7 +581,7 @@ class KVCache:
     def _spans(self, path: list[Node], with_slots: bool = True) -> list[Span]:
         """Merge the per-block states of the path into maximal runs of one state (without their
         slots unless `with_slots`)."""
-        if path and all(node.n_gpu == len(node.state) for node in path):
+        if path and all(node.n_gpu == node.n_blocks for node in path):
             # The common case, a path wholly on the GPU: one span, no per-run bookkeeping.
             slots = np.concatenate([node.slots for node in path], dtype=np.int64) if with_slots else EMPTY_SLOTS
             return [Span(0, path[-1].end, BlockState.GPU, slots)]

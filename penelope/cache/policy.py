@@ -65,12 +65,15 @@ def policy_names(aliases: bool = False) -> list[str]:
 
 
 def get_policy(name: str) -> EvictionPolicy:
-    """A new policy object by name or alias; unknown names raise UsageError listing the known."""
-    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    """A new policy object by name or alias, optionally followed by settings
+    (`name:key=value:...`, for the policies that take some); unknown names raise UsageError
+    listing the known."""
+    base, colon, settings = name.partition(":") if isinstance(name, str) else ("", "", "")
+    cls = _REGISTRY.get(base)
     if cls is None:
         known = ", ".join(policy_names(aliases=True))
         raise UsageError(f"unknown eviction policy {name!r} (known: {known})")
-    return cls()
+    return cls.from_settings(settings) if colon else cls()
 
 
 def is_candidate(tree: RadixTree, node: Node) -> bool:
@@ -94,12 +97,21 @@ class EvictionPolicy:
     # a prefetch displaces GPU victims only when it is worth PREFETCH_MARGIN times more than they are.
     prefetches: ClassVar[bool] = False
     PREFETCH_MARGIN: ClassVar[float] = 2.0
+    # The server this policy models inserts a finished request's prompt once more after its prompt
+    # + reply, so the reply is a leaf of its own (SGLang's `checkpoint_into_tree`); a simulated
+    # scheduler does the same (`penelope.sim.scheduler.Scheduler.release`).
+    splits_reply_off: ClassVar[bool] = False
 
     capacity: int = 0
     block_size: int = 0
     # The cache the policy serves (set by it): one policy object per cache.
     owner: object = None
     cost_model: RecomputeCost = TokenCost()
+
+    @classmethod
+    def from_settings(cls, text: str) -> EvictionPolicy:
+        """The policy configured by `text` (what follows `name:` in `get_policy`); none here."""
+        raise UsageError(f"eviction policy {cls.name!r} takes no settings (got {text!r})")
 
     def bind(self, capacity: int, block_size: int, cost_model: RecomputeCost | None = None) -> None:
         """Called by the cache that owns the policy: its size in tokens (GPU + CPU for two tiers:
@@ -121,6 +133,15 @@ class EvictionPolicy:
 
     def advance(self, now: float) -> None:
         """The caller's clock reads `now` seconds; ignored by policies without time-based rules."""
+
+    def matched(self, tree: RadixTree, path: list[Node]) -> None:
+        """`KVCache.match` walked `path` (root first, stamped); its last node may be the upper
+        part of a split just made. Ignored here."""
+
+    def inserted(self, tree: RadixTree, path: list[Node], earlier: int = 0) -> None:
+        """`KVCache.insert` walked `path` (root first, stamped); a node may be the upper part
+        of a split just made, the last one a new leaf. `earlier`: the first tokens of the path
+        the same request inserted before (its checkpoints). Ignored here."""
 
     def evicted(self, tree: RadixTree, released: Released) -> None:
         """What one `evict` call deleted; ignored here."""
@@ -152,7 +173,10 @@ class EvictionPolicy:
         """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
         locked node. Node policies may free more than asked."""
         out = Released()
-        candidates = [leaf for leaf in tree.leaves if is_candidate(tree, leaf)]
+        root = tree.root
+        # `is_candidate`, inline: this runs over every leaf of the tree.
+        candidates = [leaf for leaf in tree.leaves if leaf.lock_ref == 0 and leaf.n_resident > 0
+                      and not leaf.children and leaf.alive and leaf is not root]
         if self.fresh_keys:
             return self._evict_fresh(tree, n_blocks, candidates, out)
         heap = [(self.victim_key(tree, leaf), leaf.id, leaf) for leaf in candidates]
@@ -264,5 +288,6 @@ class PrivateHeadBlock(PrivateHeadPolicy):
     whole_node = False
 
 
-# The agent-aware and cost-aware policies register themselves after the grid.
-from penelope.cache import agent_policy  # noqa: E402, F401
+# The agent-aware and cost-aware policies register themselves after the grid, then SGLang's own
+# policies (unlisted: not in `--policies all`).
+from penelope.cache import agent_policy, sglang_policies  # noqa: E402, F401

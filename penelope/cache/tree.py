@@ -27,6 +27,7 @@ NO_SLOT = -1
 # out as int64.
 SLOT_DTYPE = np.int32
 _MASK64 = (1 << 64) - 1
+_ONE = np.uint64(1)
 
 
 class BlockState(enum.IntEnum):
@@ -45,7 +46,7 @@ class Node:
     MISSING."""
 
     __slots__ = ("id", "parent", "children", "key", "slots", "state", "hashes", "start",
-                 "lock_ref", "last_access", "n_gpu", "n_resident", "alive")
+                 "lock_ref", "last_access", "n_gpu", "n_resident", "alive", "n_blocks", "end")
 
     def __init__(self, node_id: int, parent: Node | None, key: bytes, slots: np.ndarray,
                  state: np.ndarray, hashes: np.ndarray, start: int, last_access: int):
@@ -63,22 +64,18 @@ class Node:
         self.recount()
 
     def recount(self) -> None:
-        self.n_gpu = int(np.count_nonzero(self.state == _GPU))
-        self.n_resident = len(self.state) - int(np.count_nonzero(self.state == _MISSING))
-
-    @property
-    def n_blocks(self) -> int:
-        return len(self.state)
+        """Set the counts read on every walk from the arrays: `n_gpu`, `n_resident`, `n_blocks`
+        and `end` (the absolute position just after the node's last token)."""
+        self.n_blocks = len(self.state)
+        self.end = self.start + len(self.slots)
+        gpu, _, missing = np.bincount(self.state, minlength=3).tolist()
+        self.n_gpu = gpu
+        self.n_resident = self.n_blocks - missing
 
     @property
     def tokens(self) -> np.ndarray:
         """The node's tokens, a read-only int64 view of `key`."""
         return np.frombuffer(self.key, dtype=np.int64)
-
-    @property
-    def end(self) -> int:
-        """Absolute position just after the node's last token."""
-        return self.start + len(self.slots)
 
     def __repr__(self) -> str:
         states = "".join("GCM"[s] for s in self.state)
@@ -135,13 +132,17 @@ class PrefixHasher:
         self._grow(base_block + k)
         if self.block_size == 1:
             # The same digests; a (k, 1) @ (1,) product costs numpy more than a multiply.
-            digests = tokens.view(np.uint64) * self._mix[0] + np.uint64(1)
+            g = tokens.view(np.uint64) * self._mix[0]
         else:
-            digests = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix + np.uint64(1)
-        g0 = (base_hash * int(self._inv[base_block])) & _MASK64
+            g = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix
+        # In place, on the one array: the digests, then their weighted prefix sums, then the hashes.
+        g += _ONE
         span = slice(base_block + 1, base_block + k + 1)
-        g = np.cumsum(digests * self._inv[span]) + np.uint64(g0)
-        return g * self._pow[span]
+        g *= self._inv[span]
+        np.add.accumulate(g, out=g)
+        g += np.uint64((base_hash * int(self._inv[base_block])) & _MASK64)
+        g *= self._pow[span]
+        return g
 
 
 def _empty_state() -> np.ndarray:
@@ -172,24 +173,26 @@ class RadixTree:
 
         Read-only. Returns the nodes of the path and the number of blocks matched in the last one
         (it may be less than that node's length; every earlier node matches fully)."""
-        raw = memoryview(tokens).cast("B")
+        # One copy of the walked tokens as bytes: children are found by their first block's bytes,
+        # and a whole node matches when the copy continues with its key (`startswith` at an
+        # offset compares in place, without slicing the copy).
+        raw = tokens[:n_blocks * self.block_size].tobytes()
         bb = self._block_bytes
-        end = n_blocks * bb
+        end = len(raw)
         children, pos, path = self.root.children, 0, []
         while pos < end:
-            child = children.get(raw[pos:pos + bb].tobytes())
+            child = children.get(raw[pos:pos + bb])
             if child is None:
                 break
             key = child.key
-            n = len(key)
-            if pos + n <= end and raw[pos:pos + n].tobytes() == key:
-                # The whole node matches: the common case, one bytes comparison.
+            if raw.startswith(key, pos):
+                # The whole node matches: the common case.
                 path.append(child)
-                pos += n
+                pos += len(key)
                 children = child.children
                 continue
-            n = min(n, end - pos)
-            if raw[pos:pos + n].tobytes() != key[:n]:
+            n = min(len(key), end - pos)
+            if raw[pos:pos + n] != key[:n]:
                 ours = np.frombuffer(key, dtype=np.int64, count=n // 8)
                 theirs = tokens[pos // 8:(pos + n) // 8]
                 n = int(np.flatnonzero(ours != theirs)[0]) // self.block_size * bb
@@ -321,17 +324,22 @@ class RadixTree:
 
     def lock(self, node: Node, delta: int) -> None:
         """Add `delta` (+1 or -1) to lock_ref on the root path of `node`."""
-        while node is not self.root:
-            before = node.lock_ref
+        # A node becomes locked when its count reaches 1, unlocked when it reaches 0.
+        edge = 1 if delta > 0 else 0
+        root, gpu, resident = self.root, 0, 0
+        while node is not root:
             node.lock_ref += delta
-            if (before == 0) != (node.lock_ref == 0):
-                moved = node.n_gpu * self.block_size * delta
-                self.evictable_tokens -= moved
-                self.protected_tokens += moved
-                moved = (node.n_resident - node.n_gpu) * self.block_size * delta
-                self.cpu_evictable_tokens -= moved
-                self.cpu_protected_tokens += moved
+            if node.lock_ref == edge:
+                gpu += node.n_gpu
+                resident += node.n_resident
             node = node.parent
+        if resident:
+            moved = gpu * self.block_size * delta
+            self.evictable_tokens -= moved
+            self.protected_tokens += moved
+            moved = (resident - gpu) * self.block_size * delta
+            self.cpu_evictable_tokens -= moved
+            self.cpu_protected_tokens += moved
 
     def nodes(self):
         """All nodes except the root, parents before children."""
@@ -363,7 +371,7 @@ class RadixTree:
         leaf_stamps = []
         for node in self.nodes():
             count += 1
-            parent, k = node.parent, node.n_blocks
+            parent, k = node.parent, len(node.state)
             _require(node.alive and parent.children.get(node.key[:bb]) is node, "broken parent link", node)
             _require(k > 0 and len(node.key) == 8 * bs * k and len(node.slots) == bs * k
                      and len(node.hashes) == k, "array lengths disagree", node)
@@ -372,9 +380,9 @@ class RadixTree:
             rows = node.slots.reshape(k, bs)
             _require((rows[node.state == _MISSING] == NO_SLOT).all(), "MISSING block with a slot", node)
             _require((rows[node.state != _MISSING] >= 0).all(), "resident block without a slot", node)
-            n_gpu, n_resident = node.n_gpu, node.n_resident
+            counts = (node.n_gpu, node.n_resident, node.n_blocks, node.end)
             node.recount()
-            _require((n_gpu, n_resident) == (node.n_gpu, node.n_resident), "stale block counts", node)
+            _require(counts == (node.n_gpu, node.n_resident, node.n_blocks, node.end), "stale block counts", node)
             _require(node.lock_ref == locks.get(node.id, 0), f"lock_ref, expected {locks.get(node.id, 0)}",
                      node)
             _require(node.last_access <= parent.last_access or parent is self.root,

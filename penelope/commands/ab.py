@@ -15,7 +15,9 @@ MAX_REPEAT = 100
 
 def add_parser(subparsers) -> None:
     from penelope.loadgen.ab_configs import DEVICES, NAMES
+    from penelope.loadgen.prime import add_prime_argument
     from penelope.sim.options import add_workload_arguments
+    from penelope.sim.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "ab",
@@ -67,12 +69,20 @@ def add_parser(subparsers) -> None:
     runs.add_argument("--warmup", type=int, default=1, metavar="N",
                       help="unmeasured runs of the workload after each server start, the cache flushed after "
                       "them (default 1)")
-    runs.add_argument("--keep-servers", action="store_true",
+    runs.add_argument("--warmup-requests", type=int, metavar="N",
+                      help="at most N requests per warm-up run (default: the whole workload)")
+    kept = runs.add_mutually_exclusive_group()
+    kept.add_argument("--keep-servers", action="store_true",
                       help="keep each configuration's server up across its repeats (cache flushed between runs; "
                       "faster, but a configuration's runs are then back to back, not interleaved)")
+    kept.add_argument("--resident-servers", action="store_true",
+                      help="start every configuration's server once and keep them all up together; the rounds stay "
+                      "interleaved, each on a flushed cache (start-up paid once per configuration; needs the memory "
+                      "of every server at once)")
     add_workload_arguments(runs)
     runs.set_defaults(max_context=None)
-    runs.add_argument("--turns", type=int, metavar="N", help="replay only the first N requests of each session")
+    add_turn_arguments(runs)
+    add_prime_argument(runs)
     runs.add_argument("--scale", type=float, default=1.0, metavar="X",
                       help="divide every token count by X, for a scaled model (default 1)")
     runs.add_argument("--time-scale", type=float, default=1.0, metavar="X",
@@ -102,21 +112,25 @@ def run(args) -> int:
     from penelope.jsonfile import json_ready
     from penelope.loadgen.ab_configs import CPU_ATTENTION, ServerSetup, TLRUParams, default_tlru, parse_configs
     from penelope.loadgen.ab_report import plot_ab, report_payload, report_text
-    from penelope.loadgen.ab_runner import ABRunner, sglang_server_factory
+    from penelope.loadgen.ab_runner import FRESH, KEPT, RESIDENT, ABRunner, sglang_server_factory
     from penelope.loadgen.client import Sampling
     from penelope.loadgen.models import config_value, is_generated, model_scale, prepare_model
+    from penelope.loadgen.prime import check_prime
     from penelope.loadgen.runner import LoadConfig
     from penelope.loadgen.server import CPU_ENV
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_folder
     from penelope.sim.fleet_options import check_time_scale, scale_time
     from penelope.sim.options import DEFAULT_MAX_CONTEXT, load_from_args
+    from penelope.sim.turns import left_out_line, turn_arguments
     from penelope.units import parse_size
 
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
-    if args.turns is not None and args.turns < 1:
-        raise UsageError(f"--turns must be at least 1, got {args.turns}")
+    from_context, _ = turn_arguments(args)
+    if args.warmup_requests is not None and args.warmup_requests < 1:
+        raise UsageError(f"--warmup-requests must be at least 1, got {args.warmup_requests}")
+    servers = RESIDENT if args.resident_servers else KEPT if args.keep_servers else FRESH
     if args.vocab is not None and args.vocab < 2:
         raise UsageError(f"--vocab must be at least 2, got {args.vocab}")
     if args.startup_timeout <= 0:
@@ -126,7 +140,8 @@ def run(args) -> int:
     check_time_scale(args.time_scale)
     TokenSpace(vocab=args.vocab or 2, seed=args.seed, scale=args.scale)
     load = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
-                      read_timeout=args.read_timeout, sampling=Sampling(temperature=0.0), hints=args.hints)
+                      read_timeout=args.read_timeout, sampling=Sampling(temperature=0.0), hints=args.hints,
+                      prime=args.prime)
     attention = args.attention_backend or (CPU_ATTENTION if args.device == "cpu" else None)
     tlru = None
     if args.tlru_threshold is not None and args.tlru_next_prompt is not None:
@@ -148,9 +163,8 @@ def run(args) -> int:
         args.max_context = min(parse_size(DEFAULT_MAX_CONTEXT, "--max-context"),
                                int((context - 7) * args.scale)) if context else DEFAULT_MAX_CONTEXT
     workload, description = load_from_args(args, args.trace)
-    if args.turns is not None:
-        workload = dataclasses.replace(workload, sessions=tuple(
-            dataclasses.replace(s, requests=s.requests[: args.turns]) for s in workload.sessions))
+    check_prime(workload, prime=args.prime, sessions=args.sessions, max_requests=args.max_requests)
+    left_out = left_out_line(workload, from_context)
     workload = scale_time(workload, args.time_scale)
     space = TokenSpace(vocab=args.vocab or 2, seed=args.seed, scale=args.scale)
     if tlru is None:
@@ -168,7 +182,10 @@ def run(args) -> int:
     print(f"workload: {description['format']} {description['trace'] or ''}".rstrip()
           + f": {len(workload.sessions):,} sessions, {workload.num_requests:,} requests, {args.sessions} at once; "
           f"token counts / {args.scale:g}; {args.repeat} run{'s' if args.repeat > 1 else ''} per configuration"
-          + (", servers kept up across runs" if args.keep_servers else ", a fresh server per run"), flush=True)
+          + {FRESH: ", a fresh server per run", KEPT: ", servers kept up across runs",
+             RESIDENT: ", every server up at once, rounds interleaved"}[servers], flush=True)
+    if left_out:
+        print(left_out, flush=True)
 
     per_run = workload.num_requests if args.max_requests is None else min(args.max_requests, workload.num_requests)
     bar = progress_bar(per_run * args.repeat * len(configs), args.no_progress)
@@ -182,7 +199,8 @@ def run(args) -> int:
     env = {**CPU_ENV} if args.device == "cpu" else {}
     runner = ABRunner(configs, baseline, workload, load, scale=args.scale, seed=args.seed, page=args.page_size,
                       out=out, start_server=sglang_server_factory(setup, env, args.startup_timeout),
-                      repeats=args.repeat, keep_servers=args.keep_servers, warmup=args.warmup,
+                      repeats=args.repeat, servers=servers, warmup=args.warmup,
+                      warmup_requests=args.warmup_requests,
                       vocab=args.vocab or config_value(model, "vocab_size"),
                       say=say, on_record=(lambda name, record: bar.update(1)) if bar is not None else None)
     began = time.perf_counter()
@@ -197,7 +215,8 @@ def run(args) -> int:
     print(report_text(result))
     payload = report_payload(result)
     payload["setup"] = {**dataclasses.asdict(setup), "tlru": dataclasses.asdict(tlru)}
-    payload["workload"] = {**description, "turns": args.turns, "scale": args.scale, "time_scale": args.time_scale,
+    payload["workload"] = {**description, "turns": args.turns, "scale": args.scale,
+                           "time_scale": args.time_scale,
                            "sessions": args.sessions, "requests": workload.num_requests}
     payload["load"] = json.loads(json.dumps(dataclasses.asdict(load), default=str))
     payload["elapsed_s"] = elapsed
@@ -210,6 +229,8 @@ def run(args) -> int:
             print(f"wrote {out / 'ab.png'}")
         except ImportError:
             print("matplotlib is not installed: no plot")
+    if result.error is not None:
+        raise result.error
     if result.interrupted:
         error = Interrupted(f"interrupted after {len(result.runs)} runs; kept in {out}")
         # The CLI tells SIGTERM (exit 143) from Ctrl-C (130) by what was being handled.

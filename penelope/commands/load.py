@@ -16,7 +16,9 @@ MAX_REPEAT = 1000
 
 def add_parser(subparsers) -> None:
     from penelope.loadgen.apis import APIS, GENERATE
+    from penelope.loadgen.prime import add_prime_argument
     from penelope.sim.options import add_workload_arguments
+    from penelope.sim.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "load",
@@ -32,7 +34,8 @@ def add_parser(subparsers) -> None:
                         help="generate: SGLang's /generate with input_ids (default); openai: /v1/completions")
     add_workload_arguments(parser)
     parser.set_defaults(max_context=None)
-    parser.add_argument("--turns", type=int, metavar="N", help="replay only the first N requests of each session")
+    add_turn_arguments(parser)
+    add_prime_argument(parser)
     parser.add_argument("--scale", type=float, default=1.0, metavar="X",
                         help="divide every token count by X (prompts, replies, blocks), for a scaled model (default 1)")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="X",
@@ -70,6 +73,7 @@ def run(args) -> int:
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.client import Sampling
+    from penelope.loadgen.prime import check_prime
     from penelope.loadgen.records import RecordWriter
     from penelope.loadgen.report import counts_line, overhead_line, plot_runs, results_table
     from penelope.loadgen.runner import LoadConfig, check_fits, run_load
@@ -79,14 +83,14 @@ def run(args) -> int:
     from penelope.outputs import check_outputs
     from penelope.sim.fleet_options import check_time_scale, scale_time
     from penelope.sim.options import load_from_args, workload_inputs
+    from penelope.sim.turns import left_out_line, turn_arguments
 
     config = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
                         read_timeout=args.read_timeout, sampling=Sampling(temperature=args.temperature),
-                        hints=args.hints)
+                        hints=args.hints, prime=args.prime)
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
-    if args.turns is not None and args.turns < 1:
-        raise UsageError(f"--turns must be at least 1, got {args.turns}")
+    from_context, _ = turn_arguments(args)
     for flag, value in (("--vocab", args.vocab), ("--context", args.context)):
         if value is not None and value < 2:
             raise UsageError(f"{flag} must be at least 2, got {value}")
@@ -101,14 +105,15 @@ def run(args) -> int:
         # The longest prompt the server takes, in the trace's (unscaled) tokens.
         args.max_context = int(target.max_prompt * args.scale) if target.max_prompt else "128K"
     workload, description = load_from_args(args, args.trace)
-    if args.turns is not None:
-        workload = dataclasses.replace(workload, sessions=tuple(
-            dataclasses.replace(s, requests=s.requests[: args.turns]) for s in workload.sessions))
+    check_prime(workload, prime=args.prime, sessions=args.sessions, max_requests=args.max_requests)
+    left_out = left_out_line(workload, from_context)
     workload = scale_time(workload, args.time_scale)
     space = TokenSpace(vocab=target.vocab, seed=args.seed, scale=args.scale)
     check_fits(workload, space, target, args.max_requests)
 
     print_header(target, workload, description, args)
+    if left_out:
+        print(left_out)
     per_run = workload.num_requests if args.max_requests is None else min(args.max_requests, workload.num_requests)
     bar = progress_bar(per_run * args.repeat, args.no_progress)
     writer = RecordWriter(args.records)
@@ -143,7 +148,8 @@ def run(args) -> int:
     if args.json:
         payload = {
             "config": {"url": target.url, "api": args.api, "scale": args.scale, "seed": args.seed,
-                       "time_scale": args.time_scale, "turns": args.turns, "repeat": args.repeat,
+                       "time_scale": args.time_scale, "turns": args.turns,
+                       "repeat": args.repeat,
                        "flush": not args.no_flush, **dataclasses.asdict(config), "workload": description},
             "server": target.as_dict(),
             "runs": [s.as_dict() for s in summaries],

@@ -22,9 +22,11 @@ MAX_JOBS = 256
 
 
 def add_parser(subparsers) -> None:
+    from penelope.loadgen.prime import add_prime_argument
     from penelope.sim.fleet_options import add_fleet_arguments
     from penelope.sim.options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
+    from penelope.sim.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "simulate",
@@ -36,6 +38,13 @@ def add_parser(subparsers) -> None:
         ),
     )
     add_workload_arguments(parser)
+    add_turn_arguments(parser)
+    add_prime_argument(parser)
+    parser.add_argument("--scale", type=float, metavar="X",
+                        help="replay the prompts penelope load --scale X sends: every token count of the trace "
+                        "(blocks, prompts, replies) divided by X, each turn the previous prompt, its reply and new "
+                        "tokens; the cache then keeps --page-size pages, as the server does (default: the trace's own "
+                        "blocks, unscaled, cached in blocks of 64 tokens)")
     parser.add_argument("--model", default="qwen3-8b", help="built-in model name or a config.json path")
     parser.add_argument("--gpu", default="h100", help=f"GPU of the time model's estimates: {' | '.join(GPUS)}")
     parser.add_argument("--calibration", metavar="FILE", help="calibration JSON overriding the time model")
@@ -63,11 +72,16 @@ def add_parser(subparsers) -> None:
         "--scheduler", default="lpm", help="waiting-queue order: lpm (longest prefix match first) | fcfs"
     )
     parser.add_argument("--chunk-size", default="8K", help="prefill tokens per batch (chunked prefill)")
+    parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page (SGLang's --page-size)")
+    parser.add_argument("--max-prefill-tokens", default="16K", help="prefill tokens per batch (SGLang's)")
+    parser.add_argument("--max-running-requests", type=int, default=2048, help="request rows (SGLang's)")
     parser.add_argument(
         "--policies",
         default="sglang,penelope",
         help="comma-separated eviction policies, 'ablation' for the paper's six-policy grid, or 'all' for every "
-        "registered policy (the grid, ttl, flop-recency, penelope-agent and the offline oracle)",
+        "registered policy (the grid, ttl, flop-recency, penelope-agent and the offline oracle); SGLang's own "
+        "sglang-lru, sglang-lfu, sglang-slru, sglang-tlru and sglang-session by name, settings as "
+        "name:key=value (e.g. sglang-tlru:threshold=4096:next_prompt_estimate=512)",
     )
     add_fleet_arguments(parser)
     parser.add_argument("--per-replica", action="store_true", help="with --replicas N > 1: a table per replica")
@@ -253,6 +267,7 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     from penelope.costmodel.recompute import CostModel
     from penelope.costmodel.shapes import get_model
     from penelope.errors import UsageError
+    from penelope.loadgen.prime import check_prime
     from penelope.memory import check_memory
     from penelope.sim import conversations
     from penelope.sim.ensemble import default_jobs
@@ -260,6 +275,7 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     from penelope.sim.options import load_from_args
     from penelope.sim.replay import replay_memory
     from penelope.sim.run import SimConfig, default_gpu_cache
+    from penelope.sim.scale import check_scale, scale_workload
     from penelope.sim.timemodel import TimeModel
     from penelope.units import parse_size, parse_size_list
 
@@ -278,7 +294,18 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
         raise UsageError(f"--cpu-cache {cpu_cache} + --swap-buffer {swap_buffer} is beyond the 2**31 host slots "
                          "the cache can address")
     chunk_size = parse_size(args.chunk_size, "--chunk-size")
+    scale = getattr(args, "scale", None)
+    if scale is not None:
+        check_scale(scale)
+    prime = getattr(args, "prime", False)
+    # `penelope analyze` shares this set-up without these options: SGLang's defaults.
+    limits = dict(page_size=getattr(args, "page_size", 1),
+                  max_running_requests=getattr(args, "max_running_requests", 2048),
+                  max_prefill_tokens=parse_size(getattr(args, "max_prefill_tokens", "16K"), "--max-prefill-tokens"))
 
+    # A scaled replay names every token by a key of its own (penelope.sim.scale): the cache then
+    # keeps SGLang's pages, as the server it replays does; otherwise blocks of 64 tokens.
+    block_size = limits["page_size"] if scale is not None else 64
     routers = routers_from_args(args, sweep=sweep_routers)
     routing = routing_from_args(args)
     time_scale = check_time_scale(args.time_scale)
@@ -293,9 +320,12 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
             sessions=args.sessions,
             scheduler=args.scheduler,
             chunk_size=chunk_size,
+            block_size=block_size,
             replicas=args.replicas,
+            **limits,
             router=router,
             routing=routing,
+            prime=prime,
         )
 
     capacities = capacities or [default_gpu_cache(shape)]
@@ -312,11 +342,23 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     description["closed_loop"] = workload.closed_loop
     workload = scale_time(workload, time_scale)
     description["time_scale"] = time_scale
+    check_prime(workload, prime=prime, sessions=args.sessions, max_requests=None)
+    description["prime"] = prime
+    if scale is not None:
+        # After --from-context, --turns and the waits, as the load generator scales (they count trace tokens).
+        workload = scale_workload(workload, scale)
+    description["scale"] = scale
     smallest = min(r.input_tokens + r.output_tokens for _, _, r in workload.requests())
+    # --prime leaves each session's first request out of the figures: one of the others must fit.
+    measured = min(r.input_tokens + r.output_tokens for _, i, r in workload.requests() if i > 0) if prime else 0
     for capacity in capacities:
         if capacity < smallest:
             raise UsageError(f"--gpu-cache {format_size(capacity)}: no request of the workload fits in it (the "
                              f"smallest needs {smallest:,} tokens of input and output)")
+        if capacity < measured:
+            raise UsageError(f"--gpu-cache {format_size(capacity)}: no request --prime measures fits in it (the "
+                             f"smallest needs {measured:,} tokens of input and output; the first turns it leaves "
+                             "out are smaller)")
     if workers is None:
         workers = default_jobs() if repeat > 1 or len(settings) > 1 else 1
     jobs = workers
@@ -340,7 +382,8 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
         "sessions": args.sessions,
         "scheduler": args.scheduler,
         "chunk_size": chunk_size,
-        "block_size": 64,
+        **limits,
+        "block_size": block_size,
         "replicas": args.replicas,
         "time_model": time_model.as_dict(),
     }
@@ -402,6 +445,10 @@ def print_config(config: dict, time_model) -> None:
         f"{config['chunk_size']} prefill tokens per batch"
         + (f", {config['replicas']} replicas behind {' | '.join(config['routers'])}" if config["replicas"] > 1 else "")
     )
+    if work.get("scale") is not None:
+        print(f"  token counts / {work['scale']:g}: the prompts penelope load --scale {work['scale']:g} sends")
+    if work.get("prime"):
+        print("  --prime: each session's first request primes the cache, left out of every figure")
     if work.get("time_scale", 1.0) != 1.0:
         print(f"  time scale x{work['time_scale']:g}: every wait between requests {work['time_scale']:g} times as long")
 

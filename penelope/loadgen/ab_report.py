@@ -133,6 +133,8 @@ def report_text(result: ABResult) -> str:
     planned = len(result.configs) * result.repeats
     head = (f"{runs} of {planned} runs finished"
             + (" (interrupted: the tables hold the runs and pairs that finished)" if result.interrupted else "")
+            + (f" (stopped by an error, {result.error}: the tables hold the runs and pairs that finished)"
+               if result.error is not None else "")
             + "; mean ±half-width of the 95% interval over runs")
     text = head + "\n" + metrics_table(result)
     if any(result.paired_rounds(c.name) for c in result.configs if c.name != result.baseline):
@@ -160,8 +162,9 @@ def report_payload(result: ABResult) -> dict:
     return {
         "baseline": result.baseline,
         "repeats": result.repeats,
-        "keep_servers": result.keep_servers,
+        "servers_mode": result.servers_mode,
         "interrupted": result.interrupted,
+        "error": None if result.error is None else str(result.error),
         "configs": [{"name": c.name, "args": list(c.args), **result.servers.get(c.name, {})} for c in result.configs],
         "runs": [run.as_dict() for run in result.runs],
         "pairs": {c.name: result.paired_rounds(c.name) for c in result.configs if c.name != result.baseline},

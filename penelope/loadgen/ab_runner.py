@@ -5,15 +5,21 @@ C A B, ...), so no configuration always runs first or last in a round and slow d
 machine (other jobs, heat) fall on every configuration alike. Round r of every configuration is
 one pair: its figures are compared with the baseline's round r (`penelope.loadgen.ab_report`).
 
-Servers: one at a time. By default every run gets a freshly started server (its start-up is not
-timed), so the runs of a round follow each other closely and no state carries over from one run
-to the next. `keep_servers` starts each configuration's server once and runs all its rounds on it
-(the cache flushed before each, as `penelope load` does): 1-2 minutes of start-up saved per run,
-but a configuration's rounds then run back to back, not interleaved with the others'.
+Servers (`servers`):
+- `fresh` (the default): one server at a time, a freshly started one for every run (its start-up
+  is not timed), so no state carries over from one run to the next.
+- `kept`: each configuration's server starts once and runs all its rounds (the cache flushed
+  before each, as `penelope load` does): 1-2 minutes of start-up saved per run, but a
+  configuration's rounds then run back to back, not interleaved with the others'.
+- `resident`: every configuration's server starts once, one after the other, and all stay up
+  together (on CPU an idle SGLang scheduler sleeps, `--sleep-on-idle`); the rounds run in the
+  interleaved order, each on a flushed cache. Start-up paid once per configuration and the rounds
+  still interleaved in time; it needs the memory of every server at once.
 
-After each start, `warmup` runs of the same workload (not measured, their records not kept) take
-the server past its first-call costs (kernels loaded, pools touched), which otherwise fall on the
-first measured run and change its timing, and with it what a timing-aware policy evicts.
+After each start, `warmup` runs of the same workload (not measured, their records not kept; at
+most `warmup_requests` requests each) take the server past its first-call costs (kernels loaded,
+pools touched), which otherwise fall on the first measured run and change its timing, and with it
+what a timing-aware policy evicts.
 
 Before a server's first run, its `/server_info` is read back: the configuration must have been
 applied (`ab_configs.check_applied`). Around each run the server's prefill counters are read
@@ -35,13 +41,13 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 
-from penelope.errors import UsageError
+from penelope.errors import PenelopeError, UsageError
 from penelope.loadgen.ab_configs import ABConfig, ServerSetup, check_applied, penelope_counters, prefill_tokens
 from penelope.loadgen.prefill_floor import never_evicting_prefill
 from penelope.loadgen.records import RecordWriter, RequestRecord
@@ -55,12 +61,18 @@ from penelope.sim.workloads import Workload
 WARMUP_REPEAT = 1_000_000
 
 
-def run_order(configs: int, repeats: int, keep_servers: bool = False) -> list[tuple[int, int]]:
+FRESH, KEPT, RESIDENT = "fresh", "kept", "resident"
+SERVER_MODES = (FRESH, KEPT, RESIDENT)
+
+
+def run_order(configs: int, repeats: int, servers: str = FRESH) -> list[tuple[int, int]]:
     """(round, configuration index) of every run, in the order they run (see the module docstring)."""
     for name, value in (("configurations", configs), ("--repeat", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be at least 1, got {value!r}")
-    if keep_servers:
+    if servers not in SERVER_MODES:
+        raise UsageError(f"servers must be one of {', '.join(SERVER_MODES)}, got {servers!r}")
+    if servers == KEPT:
         return [(r, c) for c in range(configs) for r in range(repeats)]
     return [(r, (r + k) % configs) for r in range(repeats) for k in range(configs)]
 
@@ -114,13 +126,16 @@ class ABResult:
     configs: list[ABConfig]
     baseline: str
     repeats: int
-    keep_servers: bool
+    servers_mode: str
     runs: list[ABRun] = field(default_factory=list)
     servers: dict = field(default_factory=dict)
     interrupted: bool = False
     records: dict = field(default_factory=dict)
     # What interrupted it (KeyboardInterrupt, or the CLI's SIGTERM subclass of it).
     stop: BaseException | None = None
+    # What stopped it after some runs had finished (a server that did not start, a setting it did
+    # not apply): the runs that finished are kept and reported, then the error is.
+    error: PenelopeError | None = None
 
     def runs_of(self, name: str) -> dict[int, ABRun]:
         """round -> run of configuration `name`."""
@@ -186,7 +201,8 @@ class ABRunner:
 
     def __init__(self, configs: Sequence[ABConfig], baseline: str, workload: Workload, load: LoadConfig, *,
                  scale: float, seed: int, page: int, out: Path, start_server: ServerFactory, repeats: int = 1,
-                 keep_servers: bool = False, warmup: int = 0, api: str = "generate", vocab: int | None = None,
+                 servers: str = FRESH, warmup: int = 0, warmup_requests: int | None = None,
+                 api: str = "generate", vocab: int | None = None,
                  say: Callable[[str], None] = print,
                  on_record: Callable[[str, RequestRecord], None] | None = None):
         self.configs = list(configs)
@@ -197,17 +213,24 @@ class ABRunner:
         self.api, self.vocab = api, vocab
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise UsageError(f"--warmup must be a non-negative integer, got {warmup!r}")
+        if warmup_requests is not None and (isinstance(warmup_requests, bool) or not isinstance(warmup_requests, int)
+                                            or warmup_requests < 1):
+            raise UsageError(f"--warmup-requests must be at least 1, got {warmup_requests!r}")
         self.warmup = warmup
+        self.warmup_load = self.load
+        if warmup_requests is not None:
+            bound = warmup_requests if load.max_requests is None else min(warmup_requests, load.max_requests)
+            self.warmup_load = replace(load, max_requests=bound)
         self.say = say
         self.on_record = on_record
-        self.result = ABResult(self.configs, baseline, repeats, keep_servers)
-        self.order = run_order(len(self.configs), repeats, keep_servers)
+        self.order = run_order(len(self.configs), repeats, servers)
+        self.result = ABResult(self.configs, baseline, repeats, servers)
 
     def record_path(self, config: ABConfig) -> Path:
         return self.out / f"records-{config.slug}.jsonl"
 
     def log_path(self, config: ABConfig, round_: int) -> Path:
-        if self.result.keep_servers:
+        if self.result.servers_mode != FRESH:
             return self.out / f"server-{config.slug}.log"
         return self.out / f"server-{config.slug}-round{round_}.log"
 
@@ -216,7 +239,9 @@ class ABRunner:
         writers = {c.name: RecordWriter(str(self.record_path(c))) for c in self.configs}
         self.result.records = {c.name: str(self.record_path(c)) for c in self.configs}
         try:
-            if self.result.keep_servers:
+            if self.result.servers_mode == RESIDENT:
+                self._serve_resident(writers)
+            elif self.result.servers_mode == KEPT:
                 for index, config in enumerate(self.configs):
                     rounds = [r for r, c in self.order if c == index]
                     self._serve(config, rounds, writers[config.name])
@@ -226,36 +251,57 @@ class ABRunner:
         except KeyboardInterrupt as stop:
             self.result.interrupted = True
             self.result.stop = stop
+        except PenelopeError as error:
+            if not self.result.runs:
+                raise
+            self.result.error = error
         finally:
             for writer in writers.values():
                 writer.close()
         return self.result
 
+    def _start(self, stack: ExitStack, config: ABConfig, round_: int, label: str | None = None) -> tuple[Target, float]:
+        """Start `config`'s server (stopped when `stack` closes), check it and warm it up: its target
+        and its start-up seconds. `label`: the progress line's counter (default: the next run's)."""
+        log = self.log_path(config, round_)
+        label = label or f"[{len(self.result.runs) + 1}/{len(self.order)}]"
+        self.say(f"{label} {config.name}: starting its server (log {log})")
+        began = time.perf_counter()
+        server = stack.enter_context(self.start_server(config, log))
+        start_s = time.perf_counter() - began
+        target = probe_server(server.url, self.api, vocab=self.vocab)
+        info = server_info(server.url)
+        if config.name not in self.result.servers:
+            applied = check_applied(config, info)
+            space = TokenSpace(vocab=target.vocab, seed=self.seed, scale=self.scale)
+            check_fits(self.workload, space, target, self.load.max_requests)
+            self.result.servers[config.name] = {"args": list(config.args), "applied": applied,
+                                                "server": target.info, "url": target.url,
+                                                "vocab": target.vocab, "tree_core": tree_core(log)}
+        if self.warmup:
+            self.say(f"  {config.name}: {self.warmup} warm-up run{'s' if self.warmup > 1 else ''} (not measured)")
+            space = TokenSpace(vocab=target.vocab, seed=self.seed, scale=self.scale)
+            run_load(target, self.workload, space, self.warmup_load, repeats=self.warmup, first_repeat=WARMUP_REPEAT)
+        return target, start_s
+
     def _serve(self, config: ABConfig, rounds: list[int], writer: RecordWriter) -> None:
         """Start `config`'s server, run `rounds` on it, stop it."""
-        done = len(self.result.runs)
-        total = len(self.order)
-        self.say(f"[{done + 1}/{total}] {config.name}: starting its server (log {self.log_path(config, rounds[0])})")
-        began = time.perf_counter()
-        with self.start_server(config, self.log_path(config, rounds[0])) as server:
-            start_s = time.perf_counter() - began
-            target = probe_server(server.url, self.api, vocab=self.vocab)
-            info = server_info(server.url)
-            if config.name not in self.result.servers:
-                applied = check_applied(config, info)
-                space = TokenSpace(vocab=target.vocab, seed=self.seed, scale=self.scale)
-                check_fits(self.workload, space, target, self.load.max_requests)
-                self.result.servers[config.name] = {"args": list(config.args), "applied": applied,
-                                                    "server": target.info, "url": target.url,
-                                                    "vocab": target.vocab,
-                                                    "tree_core": tree_core(self.log_path(config, rounds[0]))}
-            if self.warmup:
-                self.say(f"  {config.name}: {self.warmup} warm-up run{'s' if self.warmup > 1 else ''} (not measured)")
-                space = TokenSpace(vocab=target.vocab, seed=self.seed, scale=self.scale)
-                run_load(target, self.workload, space, self.load, repeats=self.warmup, first_repeat=WARMUP_REPEAT)
+        with ExitStack() as stack:
+            target, start_s = self._start(stack, config, rounds[0])
             for round_ in rounds:
                 self._one_run(config, round_, target, writer, start_s)
                 start_s = None
+
+    def _serve_resident(self, writers: dict[str, RecordWriter]) -> None:
+        """Start every configuration's server, then run the whole order on them; stop them all."""
+        with ExitStack() as stack:
+            started = {config.name: self._start(stack, config, 0, f"[server {i + 1}/{len(self.configs)}]")
+                       for i, config in enumerate(self.configs)}
+            for round_, index in self.order:
+                config = self.configs[index]
+                target, start_s = started[config.name]
+                self._one_run(config, round_, target, writers[config.name], start_s)
+                started[config.name] = (target, None)
 
     def _one_run(self, config: ABConfig, round_: int, target: Target, writer: RecordWriter,
                  start_s: float | None) -> None:

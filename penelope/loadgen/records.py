@@ -32,6 +32,8 @@ class RequestRecord:
     overhead: CPU seconds this client spent on the request in its own code (building and
     encoding the prompt, parsing chunks), outside the wait for the network and the server.
     status: `ok`, `cut` (in flight when a bound stopped the run) or a failure (`FAILURES`).
+    measured: False for a priming turn (`LoadConfig.prime`): served, its reply carried into the
+    next prompt, but left out of the latency and cached-token figures.
     """
 
     repeat: int
@@ -60,6 +62,7 @@ class RequestRecord:
     server_prompt_tokens: int | None = None
     finish_reason: str | None = None
     overhead: float = 0.0
+    measured: bool = True
 
     def fail(self, status: str, message: str) -> None:
         """Mark the request failed (the first failure is the one kept)."""

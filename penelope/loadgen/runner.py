@@ -52,7 +52,10 @@ class LoadConfig:
     duration (seconds): bounds (None: none); read_timeout: seconds without a byte before a
     request fails; hints: tell the server what each session waits for after a reply (Penelope's
     agent-aware policies read it); close_sessions: close finished sessions on a server with a
-    session radix cache."""
+    session radix cache; prime: each closed-loop session's first request is a priming turn, served
+    but not measured (`RequestRecord.measured`), and when every session starts at once no second
+    turn is sent before every first turn has ended, so the measured turns start from histories the
+    server has computed (a steady state, not a cold start)."""
 
     sessions: int = 4
     max_requests: int | None = None
@@ -61,6 +64,7 @@ class LoadConfig:
     sampling: Sampling = field(default_factory=Sampling)
     hints: bool = False
     close_sessions: bool = True
+    prime: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.sessions, bool) or not isinstance(self.sessions, int) or self.sessions < 1:
@@ -118,6 +122,9 @@ class _Run:
         self.stopped = DONE
         self.start = time.perf_counter()
         self.lags: list[float] = []
+        # Sessions whose first turn has not ended yet, while measured turns wait for them (prime).
+        self.priming = 0
+        self.primed = asyncio.Event()
 
     def take(self) -> bool:
         """Count one more request sent; False once `max_requests` are."""
@@ -131,7 +138,7 @@ class _Run:
         return f"{session.id}#{self.repeat}"
 
     async def send(self, prompts: SessionPrompts, turn: int, request: Request,
-                   scheduled_at: float | None) -> RequestRecord:
+                   scheduled_at: float | None, measured: bool = True) -> RequestRecord:
         began = time.thread_time()
         session = prompts.session
         ids = prompts.next_prompt()
@@ -148,7 +155,7 @@ class _Run:
             turns=len(session.requests), kind=request.kind, rid=rid, source=request.source,
             sent_at=time.perf_counter() - self.start, scheduled_at=scheduled_at,
             think_time=request.think_time if self.workload.closed_loop else 0.0,
-            prompt_tokens=len(ids), max_new_tokens=max_new,
+            prompt_tokens=len(ids), max_new_tokens=max_new, measured=measured,
         )
         record.overhead = time.thread_time() - began
         try:
@@ -166,22 +173,39 @@ class _Run:
         record.reply_ids = "stand-in"
         return self.space.stand_in_reply(index, record.turn, record.output_tokens)
 
+    def first_turn_ended(self) -> None:
+        """One session's priming turn ended (or the session did before it): the last one releases the rest."""
+        self.priming -= 1
+        if self.priming == 0:
+            self.primed.set()
+
     async def closed_session(self, index: int, session: Session) -> None:
         prompts = SessionPrompts(self.space, self.workload.block_size, index, session, reuse_replies=True)
-        for turn, request in enumerate(session.requests):
-            if turn and request.think_time > 0:
-                await asyncio.sleep(request.think_time)
-            if not self.take():
-                return
-            record = await self.send(prompts, turn, request, None)
-            if not record.ok:
-                return
-            prompts.add_reply(self.reply_ids(record, index))
+        waits_for_others = self.priming > 0
+        try:
+            for turn, request in enumerate(session.requests):
+                if turn == 1 and waits_for_others:
+                    self.first_turn_ended()
+                    waits_for_others = False
+                    await self.primed.wait()
+                if turn and request.think_time > 0:
+                    await asyncio.sleep(request.think_time)
+                if not self.take():
+                    return
+                record = await self.send(prompts, turn, request, None, measured=not (self.config.prime and turn == 0))
+                if not record.ok:
+                    return
+                prompts.add_reply(self.reply_ids(record, index))
+        finally:
+            if waits_for_others:
+                self.first_turn_ended()
         if self.target.session_cache and self.config.close_sessions:
             await close_session(self.http, self.target, self.session_id(session))
 
     async def closed_loop(self) -> None:
         queue: Iterator[tuple[int, Session]] = iter(enumerate(self.workload.sessions))
+        if self.config.prime and len(self.workload.sessions) <= self.config.sessions:
+            self.priming = len(self.workload.sessions)
 
         async def worker():
             for index, session in queue:

@@ -371,9 +371,28 @@ async def check_replies(url: str, completed: list[Completed], concurrency: int =
 
 
 def server_faults(log: Path) -> list[str]:
-    """The lines of a server log that report a scheduler failure or a failed memory check."""
+    """The lines of a server log that report a scheduler failure or a failed memory check. A
+    traceback is one entry: its last frame and the exception it ends with."""
     try:
-        text = log.read_text(errors="replace")
+        lines = log.read_text(errors="replace").splitlines()
     except OSError as error:
         return [f"log unreadable: {error}"]
-    return [line.strip()[:300] for line in text.splitlines() if any(mark in line for mark in FAULT_MARKS)]
+    faults = []
+    for index, line in enumerate(lines):
+        if not any(mark in line for mark in FAULT_MARKS):
+            continue
+        if "Traceback" in line:
+            line = _traceback_summary(lines, index)
+        faults.append(line.strip()[:600])
+    return faults
+
+
+def _traceback_summary(lines: list[str], start: int) -> str:
+    """'Traceback: <last frame> -> <exception>' for the traceback that starts at `lines[start]`."""
+    frame = ""
+    for line in lines[start + 1:]:
+        if line.startswith("  File "):
+            frame = line.strip()
+        elif line and not line[0].isspace():
+            return f"Traceback: {frame} -> {line.strip()}"
+    return f"Traceback: {frame} -> (log ends)"

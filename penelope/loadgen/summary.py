@@ -7,6 +7,9 @@ requests whose cached tokens it reported), and per session the JCT: from its fir
 last reply, think times included, for sessions whose every request finished in the run. Failed
 requests are counted by status; requests cut by a bound are counted apart and left out of every
 latency. The client's own cost: `overhead` per request (mean, p99) and the event loop's lateness.
+Priming turns (`LoadConfig.prime`) count as sent and finished and nowhere else: latencies, the
+cached fraction, JCT and throughput are over the measured turns (JCT from a session's first
+measured send; throughput from the run's first measured send to its end).
 
 Over repeats (`estimates`): every metric's mean over the runs with its 95% Student-t interval
 (`penelope.sim.stats.Estimate`); with one run the interval is unknown.
@@ -92,31 +95,38 @@ def _pct(values, q: float) -> float:
 
 
 def session_jcts(records: Sequence[RequestRecord]) -> list[float]:
-    """JCT of every session whose requests all finished: first send to last reply, in seconds."""
+    """JCT of every session whose requests all finished: first send to last reply, in seconds,
+    over its measured turns (a priming turn and the wait after it left out)."""
     by_session: dict[str, list[RequestRecord]] = {}
     for record in records:
         by_session.setdefault(record.session, []).append(record)
     jcts = []
     for group in by_session.values():
-        if len(group) == group[0].turns and all(r.ok for r in group):
-            first = min(r.sent_at for r in group)
-            jcts.append(max(r.sent_at + r.e2e for r in group) - first)
+        measured = [r for r in group if r.measured]
+        if len(group) == group[0].turns and all(r.ok for r in group) and measured:
+            first = min(r.sent_at for r in measured)
+            jcts.append(max(r.sent_at + r.e2e for r in measured) - first)
     return jcts
 
 
 def summarize(result: RunResult) -> RunSummary:
     records = result.records
     ok = [r for r in records if r.ok]
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    itl = [r.itl for r in ok if r.itl is not None]
-    e2e = [r.e2e for r in ok]
+    # Priming turns (LoadConfig.prime) count as sent and finished, not in latencies or reuse.
+    measured = [r for r in ok if r.measured]
+    ttft = [r.ttft for r in measured if r.ttft is not None]
+    itl = [r.itl for r in measured if r.itl is not None]
+    e2e = [r.e2e for r in measured]
     overhead = [r.overhead for r in records]
-    reported = [r for r in ok if r.cached_tokens is not None]
+    reported = [r for r in measured if r.cached_tokens is not None]
     prompt = sum(r.prompt_tokens for r in reported)
     cached = sum(r.cached_tokens for r in reported) if reported else None
     failures = Counter(r.status for r in records if r.failed)
     jcts = session_jcts(records)
-    wall = result.wall
+    wall = span = result.wall
+    if len(measured) < len(ok):
+        # Priming turns: throughput over the measured turns, from the first of them on.
+        span -= min((r.sent_at for r in measured), default=span)
     return RunSummary(
         repeat=result.repeat,
         sent=len(records),
@@ -136,8 +146,8 @@ def summarize(result: RunResult) -> RunSummary:
         e2e_mean=_mean(e2e),
         e2e_p90=_pct(e2e, 90),
         jct_mean=_mean(jcts),
-        throughput=len(ok) / wall if wall > 0 else math.nan,
-        output_tps=sum(r.output_tokens for r in ok) / wall if wall > 0 else math.nan,
+        throughput=len(measured) / span if span > 0 else math.nan,
+        output_tps=sum(r.output_tokens for r in measured) / span if span > 0 else math.nan,
         cached_fraction=cached / prompt if cached is not None and prompt else math.nan,
         errors=sum(failures.values()),
         overhead_mean=_mean(overhead),

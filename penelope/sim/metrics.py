@@ -12,6 +12,8 @@ Definitions (times in seconds of simulated time):
 - Recomputed tokens: tokens computed again although their KV had been computed before (phantom
   refills of holes and re-prefill of evicted tails); `recompute_cost` is their cost in the cost
   model's attention-pair units.
+- Priming requests (`RequestRecord.measured` False, `simulate --prime`) are left out of every
+  figure: TTFT, JCT (from a session's first measured send), hit rate and token counts.
 - Percentiles: linear interpolation between closest ranks (numpy's default "linear" method,
   Hyndman-Fan type 7): for sorted values x[0..n-1], the q-th percentile is at rank
   h = (n - 1) * q / 100, i.e. x[floor(h)] + (h - floor(h)) * (x[floor(h) + 1] - x[floor(h)]).
@@ -34,7 +36,8 @@ from penelope.errors import UsageError
 class RequestRecord:
     """What the simulator records for one finished request (times in s, sizes in tokens);
     `replica`: the server that served it (0 with one server); `admit_time`: when the prefill batch
-    of its first chunk started (its wait in the queue ends then)."""
+    of its first chunk started (its wait in the queue ends then); `measured`: False for a request
+    that primes the cache (left out of `summarize`)."""
 
     session: str
     index: int
@@ -49,6 +52,7 @@ class RequestRecord:
     swap_loads: int = 0
     replica: int = 0
     admit_time: float | None = None
+    measured: bool = True
 
     def __post_init__(self) -> None:
         where = f"request {self.index} of session {self.session!r}"
@@ -121,8 +125,8 @@ def session_jcts(records: Iterable[RequestRecord]) -> dict[str, float]:
 
 
 def summarize(records: Iterable[RequestRecord]) -> Summary:
-    """Aggregate request records (any order) into TTFT, JCT and cache figures."""
-    records = list(records)
+    """Aggregate the measured request records (any order) into TTFT, JCT and cache figures."""
+    records = [r for r in records if r.measured]
     ttfts = [r.ttft for r in records]
     jcts = list(session_jcts(records).values())
     input_tokens = sum(r.input_tokens for r in records)

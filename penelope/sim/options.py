@@ -9,6 +9,7 @@ from pathlib import Path
 from penelope.costmodel.shapes import model_path
 from penelope.errors import UsageError
 from penelope.sim.replay import check_clock_range
+from penelope.sim.turns import select_turns, turn_arguments
 from penelope.sim.weka import OVERFLOW_MODES, SUBAGENT_MODES
 from penelope.sim.workloads import FORMATS, ThinkTime, Workload, load_workload
 from penelope.units import parse_size
@@ -121,11 +122,13 @@ def load_from_args(args, path: str | None) -> tuple[Workload, dict]:
     if args.limit_sessions is not None and args.limit_sessions < 1:
         raise UsageError(f"--limit-sessions must be at least 1, got {args.limit_sessions}")
     think = parse_think_time(args.think_time)
+    from_context, turns = turn_arguments(args)
     options = {}
     if fmt == "weka":
         options = dict(shared_prefix=not args.no_shared_prefix, subagents=args.subagents, overflow=args.overflow)
     workload = load_workload(fmt, path, max_context=max_context, seed=args.seed, **options)
     loaded_sessions = len(workload.sessions)
+    workload = select_turns(workload, from_context=from_context, turns=turns)
     if args.limit_sessions is not None:
         workload = dataclasses.replace(workload, sessions=workload.sessions[: args.limit_sessions])
     workload = think.apply(workload)
@@ -139,6 +142,8 @@ def load_from_args(args, path: str | None) -> tuple[Workload, dict]:
         "seed": args.seed if fmt == "synthetic" else None,
         "think_time": dataclasses.asdict(think),
         "limit_sessions": args.limit_sessions,
+        "from_context": from_context,
+        "turns": turns,
         "sessions_loaded": loaded_sessions,
         "sessions": len(workload.sessions),
         "requests": workload.num_requests,

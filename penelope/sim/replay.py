@@ -15,6 +15,12 @@ Timing (seconds of simulated time):
 - Events at equal times: servers first finish their actions, then requests sent at that time
   are routed, then idle servers start their next actions.
 
+Priming (`prime`, closed loop only): each session's first request primes the cache; its record
+says it is not measured (`RequestRecord.measured`), and the figures leave it out. When every
+session starts at once, no session sends its second request before every first request has
+ended: each sends it the last first request's end + its think time later, as the load
+generator's `--prime` does (`penelope.loadgen.runner`).
+
 Requests that can never fit a server's cache (input + output > capacity) are routed, turned away
 by the server, and counted in `ReplayResult.skipped`; the session goes on with its next request
 as if the skipped one had finished at its send time.
@@ -47,7 +53,14 @@ from penelope.costmodel.recompute import CostModel
 from penelope.errors import UsageError
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.router import Router
-from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Job
+from penelope.sim.scheduler import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_PAGE_SIZE,
+    LPM_QUEUE_MAX,
+    Job,
+)
 from penelope.sim.server import MAX_DECODE_STEPS, Server, ServerCounters, decode_step_times
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
@@ -105,7 +118,8 @@ class ReplayResult:
     skipped: requests never served because they cannot fit the cache; prefill_batches,
     decode_steps: batches run (all servers); phantom_batches: prefill batches that refilled a hole
     (costed with the time model's `phantom_kernel`); phantom_tokens: hole tokens recomputed by
-    phantoms; sim_time: simulated seconds until the last reply; wall_time: seconds the replay
+    phantoms riding in their request's batch; chunk_refill_tokens: hole tokens hole-first requests
+    recomputed in their own chunks; sim_time: simulated seconds until the last reply; wall_time: seconds the replay
     took; servers: each server's counters (`penelope.sim.server.ServerCounters`); routing: how
     the router decided, by kind (cache-aware router only); events: ("admit" | "finish", session
     number, request index) in the order they happened (one server; empty for several)."""
@@ -117,6 +131,7 @@ class ReplayResult:
     decode_steps: int = 0
     prefill_tokens: int = 0
     phantom_tokens: int = 0
+    chunk_refill_tokens: int = 0
     sim_time: float = 0.0
     wall_time: float = 0.0
     servers: list[ServerCounters] = field(default_factory=list)
@@ -130,9 +145,11 @@ class Replay:
     cache: a fresh `KVCache` (one server), or a sequence of them (one server each, behind
     `router`, a `penelope.sim.router.Router` over that many replicas); time_model: seconds per
     batch; cost_model: attention pairs and recompute costs; sessions: concurrent closed-loop
-    sessions; order: `"lpm"` or `"fcfs"`; chunk_size: prefill tokens per batch; lpm_queue_max:
-    the longest queue LPM sorts; progress: anything with `update(n)` (a tqdm bar), told of every
-    finished or skipped request."""
+    sessions; order: `"lpm"` or `"fcfs"`; chunk_size: chunk tokens per prefill batch; lpm_queue_max:
+    the longest queue LPM sorts; page_size, max_prefill_tokens, max_running_requests: the
+    scheduler's (`penelope.sim.scheduler.Scheduler`); progress: anything with `update(n)` (a tqdm
+    bar), told of every finished or skipped request; prime: each session's first request primes
+    the cache (see the module docstring)."""
 
     def __init__(
         self,
@@ -145,11 +162,17 @@ class Replay:
         order: str = "lpm",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         lpm_queue_max: int = LPM_QUEUE_MAX,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         router: Router | None = None,
         progress=None,
+        prime: bool = False,
     ):
         if sessions < 1:
             raise UsageError(f"sessions must be at least 1, got {sessions}")
+        if prime and not workload.closed_loop:
+            raise UsageError("--prime needs a closed-loop workload: open-loop requests have no first turn to wait for")
         caches = list(cache) if isinstance(cache, Sequence) else [cache]
         if not caches:
             raise UsageError("a replay needs at least one server")
@@ -165,7 +188,8 @@ class Replay:
         self._foresight = caches[0].policy.uses_foresight
         self.servers = [
             Server(i, c, time_model, cost_model, order=order, chunk_size=chunk_size, lpm_queue_max=lpm_queue_max,
-                   finished_hint=self._finished_hint)
+                   page_size=page_size, max_prefill_tokens=max_prefill_tokens,
+                   max_running_requests=max_running_requests, finished_hint=self._finished_hint)
             for i, c in enumerate(caches)
         ]
         self.router = router
@@ -180,6 +204,11 @@ class Replay:
         # Per server: the number of its current action, so a cut decode run's old end is ignored.
         self._action = [0] * len(self.servers)
         self._starting = [False] * len(self.servers)
+        self.prime = prime
+        # Sessions whose first request has not ended while the others wait for them (prime), and
+        # the sessions waiting.
+        self._priming = 0
+        self._primed: list[int] = []
 
     @property
     def cache(self):
@@ -189,6 +218,8 @@ class Replay:
     def run(self) -> ReplayResult:
         started = time.perf_counter()
         if self.workload.closed_loop:
+            if self.prime and len(self.workload.sessions) <= self.sessions:
+                self._priming = len(self.workload.sessions)
             for _ in range(min(self.sessions, len(self.workload.sessions))):
                 self._start_next_session(0.0)
         else:
@@ -238,7 +269,8 @@ class Replay:
             self._tick()
             self._after(number, index, at)
             return
-        job = Job(session.id, index, request, at, self.workload.tokens(request), number=number)
+        job = Job(session.id, index, request, at, self.workload.tokens(request), number=number,
+                  reply=self.workload.reply_tokens(request))
         self._reschedule(chosen, server.receive(job, at))
 
     def _reschedule(self, number: int, cut: bool) -> None:
@@ -290,6 +322,7 @@ class Replay:
                 swap_loads=job.swap_loads,
                 replica=replica,
                 admit_time=job.admit_time,
+                measured=not (self.prime and job.index == 0),
             )
         )
         self._tick()
@@ -299,6 +332,16 @@ class Replay:
         """Closed loop: send the session's next request after its think time, or start the next session."""
         if not self.workload.closed_loop:
             return
+        if index == 0 and self._priming:
+            self._primed.append(number)
+            self._priming -= 1
+            if self._priming == 0:
+                for waiting in self._primed:
+                    self._send_next(waiting, 0, done)
+            return
+        self._send_next(number, index, done)
+
+    def _send_next(self, number: int, index: int, done: float) -> None:
         requests = self.workload.sessions[number].requests
         if index + 1 < len(requests):
             self._push(done + requests[index + 1].think_time, _SEND, (number, index + 1))
@@ -306,7 +349,8 @@ class Replay:
             self._start_next_session(done)
 
     def _finished_hint(self, job: Job, tokens, now: float) -> Hint:
-        """What the session of a finished request waits for; its future for an oracle only."""
+        """What the session of a finished request waits for, whether it closes (its last
+        request); its future for an oracle only."""
         requests = self.workload.sessions[job.number].requests
         following = requests[job.index + 1] if job.index + 1 < len(requests) else None
         foresight = None
@@ -316,10 +360,13 @@ class Replay:
             else:
                 send = following.arrival if following.arrival is not None else now + following.think_time
                 bs = self.workload.block_size
-                reuse = min(_shared_keys(job.request.keys, following.keys) * bs, len(tokens) // bs * bs)
+                keys = job.request.keys
+                if job.request.output_blocks is not None:
+                    keys = np.concatenate([keys, job.request.output_blocks])
+                reuse = min(_shared_keys(keys, following.keys) * bs, len(tokens) // bs * bs)
                 foresight = Foresight(float(send), int(reuse))
         return Hint(now, FINISHED, waits_for=following.kind if following is not None else HUMAN,
-                    foresight=foresight)
+                    foresight=foresight, session=job.session, closes=following is None)
 
     def _total(self) -> None:
         result = self.result
@@ -332,6 +379,7 @@ class Replay:
             result.decode_steps += counters.decode_steps
             result.prefill_tokens += counters.prefill_tokens
             result.phantom_tokens += counters.phantom_tokens
+            result.chunk_refill_tokens += counters.chunk_refill_tokens
         result.routing = dict(self.router.decisions) if self.router is not None else {}
 
     def _tick(self) -> None:

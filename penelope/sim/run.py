@@ -31,7 +31,13 @@ from penelope.sim.fleet import FleetSummary, fleet_summary
 from penelope.sim.metrics import Summary, changes_against, summarize
 from penelope.sim.replay import Replay, ReplayResult
 from penelope.sim.router import RouterConfig, check_router, make_router
-from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, ORDERS
+from penelope.sim.scheduler import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_PAGE_SIZE,
+    ORDERS,
+)
 from penelope.sim.timemodel import DEFAULT_GPU_CACHE, PAPER_GPU_CACHE, TimeModel
 from penelope.sim.workloads import Workload
 
@@ -90,7 +96,10 @@ class SimConfig:
     """How the servers are simulated. Sizes in tokens (per replica); `cpu_cache` 0 means GPU only;
     `swap_buffer`: host rows reserved for loads when both tiers are full (two-tier cache, not in
     `cpu_cache`); `replicas`: servers, each with its own cache and scheduler, behind `router`
-    (`penelope.sim.router`; unused with one replica) configured by `routing`."""
+    (`penelope.sim.router`; unused with one replica) configured by `routing`; `prime`: each
+    closed-loop session's first request primes the cache and is left out of the figures
+    (`penelope.sim.replay.Replay`); `page_size`, `max_prefill_tokens`, `max_running_requests`:
+    the scheduler's (`penelope.sim.scheduler`)."""
 
     gpu_cache: int
     cpu_cache: int = 0
@@ -102,6 +111,10 @@ class SimConfig:
     replicas: int = 1
     router: str = DEFAULT_ROUTER
     routing: RouterConfig = field(default_factory=RouterConfig)
+    prime: bool = False
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
@@ -129,6 +142,13 @@ class SimConfig:
             raise UsageError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(ORDERS)}")
         if self.chunk_size < 1:
             raise UsageError(f"--chunk-size must be positive, got {self.chunk_size}")
+        for flag, value in (("--page-size", self.page_size), ("--max-prefill-tokens", self.max_prefill_tokens),
+                            ("--max-running-requests", self.max_running_requests)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+        if self.block_size % self.page_size or self.chunk_size % self.page_size:
+            raise UsageError(f"--page-size {self.page_size} must divide the block size {self.block_size} and "
+                             f"--chunk-size {self.chunk_size}")
 
 
 def make_cache(policy: str, config: SimConfig, cost_model: CostModel) -> KVCache:
@@ -168,6 +188,7 @@ class PolicyResult:
             policy=self.canonical,
             skipped_requests=self.replay.skipped,
             phantom_tokens=self.replay.phantom_tokens,
+            chunk_refill_tokens=self.replay.chunk_refill_tokens,
             evicted_tokens=self.cache_stats.evicted_tokens,
             prefill_batches=self.replay.prefill_batches,
             phantom_batches=self.replay.phantom_batches,
@@ -228,8 +249,12 @@ def run_policy(
         sessions=config.sessions,
         order=config.scheduler,
         chunk_size=config.chunk_size,
+        page_size=config.page_size,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_running_requests=config.max_running_requests,
         router=router,
         progress=progress,
+        prime=config.prime,
     ).run()
     for cache in caches:
         cache.check_invariants()

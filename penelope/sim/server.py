@@ -3,15 +3,17 @@
 The server alternates batches as SGLang does: when a prefill batch can be formed (a cut prompt
 continues, or a waiting request is admitted), it runs, pausing decode; otherwise one decode step
 runs for every request that has its first token and still generates. A prefill batch takes
-`TimeModel.prefill_time` over every span it computes (phantom holes and new tokens) plus CPU->GPU
-loads; a decode step takes `TimeModel.decode_step_time` of the batch's KV.
+`TimeModel.prefill_time` over every span it computes (riders' holes, hole-first chunks and new
+tokens; the phantom kernel's cost where riders are in the batch) plus CPU->GPU loads; a decode
+step takes `TimeModel.decode_step_time` of the batch's KV. Decoding requests hold request rows
+(`Scheduler.form_prefill`).
 
 An action (one prefill batch, or a run of decode steps) is started at the server's clock `now`
 by `start` and applied by `complete` at its end: cache admissions happen at the start, first
-tokens and finished requests at the end. Between events nothing changes for the scheduler, so a
-decode run goes on up to the next finish in one action; a request that reaches the server during
-the run cuts it after the step during which it arrived (`receive`): the step completes, then the
-scheduler sees the request.
+tokens, finished requests and the checkpoint of a cut request (`Scheduler.checkpoint`) at the
+end. Between events nothing changes for the scheduler, so a decode run goes on up to the next
+finish in one action; a request that reaches the server during the run cuts it after the step
+during which it arrived (`receive`): the step completes, then the scheduler sees the request.
 
 `in_flight` counts the requests received and not finished (waiting, prefilling or decoding): the
 load a router sees (SGLang's router counts a worker's requests from routing to response).
@@ -33,7 +35,16 @@ import numpy as np
 from penelope.cache.hints import ARRIVED, Hint
 from penelope.costmodel.recompute import CostModel
 from penelope.errors import InvariantError
-from penelope.sim.scheduler import DEFAULT_CHUNK_SIZE, LPM_QUEUE_MAX, Chunk, Job, Scheduler
+from penelope.sim.scheduler import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_PAGE_SIZE,
+    LPM_QUEUE_MAX,
+    Chunk,
+    Job,
+    Scheduler,
+)
 from penelope.sim.timemodel import TimeModel
 
 # Decode steps timed in one array at most (8 MB); a longer reply is decoded over several actions.
@@ -53,7 +64,9 @@ class ServerCounters:
     """What one server did. Times in seconds of simulated time, sizes in tokens.
 
     busy_time: seconds spent in prefill batches and decode steps; received: requests that reached
-    the server (skipped ones included); max_waiting: longest waiting queue seen at an arrival;
+    the server (skipped ones included); phantom_batches: prefill batches with riders;
+    phantom_tokens: hole tokens riders computed; chunk_refill_tokens: hole tokens hole-first
+    requests computed in their own chunks; max_waiting: longest waiting queue seen at an arrival;
     last_arrival, last_finish: times of the last request received and the last one finished."""
 
     received: int = 0
@@ -63,6 +76,7 @@ class ServerCounters:
     decode_steps: int = 0
     prefill_tokens: int = 0
     phantom_tokens: int = 0
+    chunk_refill_tokens: int = 0
     busy_time: float = 0.0
     max_waiting: int = 0
     last_arrival: float = 0.0
@@ -89,9 +103,10 @@ class _Decode:
 class Server:
     """One replica over `cache` (a fresh `KVCache` or two-tier cache); see the module docstring.
 
-    index: the replica's number; order, chunk_size, lpm_queue_max: the scheduler's
-    (`penelope.sim.scheduler.Scheduler`); finished_hint: (job, its sequence's tokens, now) ->
-    the `Hint` the cache is given when the job finishes (None: no finish hints)."""
+    index: the replica's number; order, chunk_size, lpm_queue_max, page_size, max_prefill_tokens,
+    max_running_requests: the scheduler's (`penelope.sim.scheduler.Scheduler`); finished_hint:
+    (job, the tokens its finish inserted, now) -> the `Hint` the cache is given when the job
+    finishes (None: no finish hints)."""
 
     def __init__(
         self,
@@ -103,13 +118,18 @@ class Server:
         order: str = "lpm",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         lpm_queue_max: int = LPM_QUEUE_MAX,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         finished_hint=None,
     ):
         self.index = index
         self.cache = cache
         self.time_model = time_model
         self.cost = cost_model
-        self.scheduler = Scheduler(cache, order, chunk_size, lpm_queue_max)
+        self.scheduler = Scheduler(cache, order, chunk_size, lpm_queue_max, page_size=page_size,
+                                   max_prefill_tokens=max_prefill_tokens,
+                                   max_running_requests=max_running_requests)
         self.decoding: list[Job] = []
         self.counters = ServerCounters()
         self.in_flight = 0
@@ -168,7 +188,7 @@ class Server:
         """Start the next action at `now`: a prefill batch if one can be formed, else a decode run.
         False when there is nothing to run (the server idles until a request arrives)."""
         self.cache.advance(self.now)
-        chunks = self.scheduler.form_prefill()
+        chunks = self.scheduler.form_prefill(running=len(self.decoding))
         if chunks:
             self._start_prefill(chunks)
             return True
@@ -195,9 +215,10 @@ class Server:
         return done
 
     def _complete_prefill(self, action: list[Chunk]) -> list[Job]:
-        done = []
+        done, cut = [], []
         for chunk in action:
             if not chunk.last:
+                cut.append(chunk.job)
                 continue
             job = chunk.job
             job.first_token_time = self.now
@@ -208,6 +229,10 @@ class Server:
                 self.decoding.append(job)
         for job in done:
             self._release(job)
+        # SGLang stashes the cut request when it forms the next batch, after the finished
+        # requests of this one were released.
+        for job in cut:
+            self.scheduler.checkpoint(job)
         return done
 
     def _start_prefill(self, chunks: list[Chunk]) -> None:
@@ -218,16 +243,18 @@ class Server:
                 tokens += end - start
                 pairs += self.cost.attention_pairs(start, end)
             loaded += chunk.loaded
-        holes = any(chunk.refills_hole for chunk in chunks)
-        seconds = self.time_model.prefill_time(tokens, pairs, holes) + self.time_model.load_time(loaded)
+        riders = any(chunk.riders for chunk in chunks)
+        seconds = self.time_model.prefill_time(tokens, pairs, riders) + self.time_model.load_time(loaded)
         for chunk in chunks:
             if chunk.job.admit_time is None:
                 chunk.job.admit_time = self.now
                 self.events.append(("admit", chunk.job.number, chunk.job.index))
         counters = self.counters
         counters.prefill_batches += 1
-        counters.phantom_batches += holes
+        counters.phantom_batches += riders
         counters.prefill_tokens += int(tokens)
+        counters.phantom_tokens += sum(chunk.rider_tokens for chunk in chunks)
+        counters.chunk_refill_tokens += sum(chunk.chunk_refill_tokens for chunk in chunks)
         counters.busy_time += seconds
         self.action = chunks
         self.now += seconds
@@ -250,13 +277,11 @@ class Server:
 
     def _release(self, job: Job) -> None:
         """Finish `job`: count it, then hand its KV back to the cache (see `Scheduler.release`)."""
-        self.counters.phantom_tokens += job.phantom
         self.counters.finished += 1
         self.counters.last_finish = self.now
         self.in_flight -= 1
         # The record needs the recomputed spans; the scheduler drops the prompt and slots only.
-        tokens = job.tokens
-        self.scheduler.release(job)
+        tokens = self.scheduler.release(job)
         self.events.append(("finish", job.number, job.index))
         if self.finished_hint is not None:
             self.cache.hint(tokens, self.finished_hint(job, tokens, self.now))

@@ -13,13 +13,19 @@ tokens route to), the input-embedding rows of its tokens, and every running requ
 
     decode_overhead + (weight_bytes + expected_experts(batch) * expert_bytes
                        + embedding_row_bytes * batch
-                       + kv_bytes_per_token * kv_tokens
+                       + kv_bytes_per_token * kv_tokens * (1 + kv_read_growth * kv_tokens / batch)
                        + window_kv_bytes_per_token * min(kv_tokens, batch * sliding_window))
                       / hbm_bandwidth
 
 (sliding-window layers read at most their window per request; exact when every request is at
-least a window long). A CPU->GPU load of n tokens takes `n * (kv_bytes_per_token +
-window_kv_bytes_per_token) / load_bandwidth`.
+least a window long). `kv_read_growth` (per token of context, 0 in the estimate) makes a KV token
+cost more to read the longer its request's context `kv_tokens / batch` (the requests of a step
+taken as equally long): SGLang's CPU attention gathers each request's KV into a new tensor per
+layer, and on a CPU its steps cost several times more per KV token at 16K tokens of context than
+at 4K (docs/calibrate.md); `penelope calibrate` fits it, a GPU's estimate has none.
+
+A CPU->GPU load of n tokens takes `n * (kv_bytes_per_token + window_kv_bytes_per_token) /
+load_bandwidth`.
 
 Attention kernel of a prefill batch (`prefill_kernel`): `sec_per_attention_pair` is the speed of
 a FlashAttention-3-class kernel, the one SGLang runs for contiguous prefill on Hopper (k = 1).
@@ -71,9 +77,9 @@ judgement, not a measurement of this project. A GPU calibration replaces them.
   paper's KV capacity for that model (`PAPER_GPU_CACHE`), as tensor parallelism with no
   communication cost: Qwen3-8B 1 GPU, Qwen3-32B 2 H100 or 1 H200, Qwen3-235B-A22B 8.
 
-A calibration JSON (written by the microbenchmarks on a GPU) overrides any of `CALIBRATION_KEYS`;
-`model` and `gpu` keys, when present, must name the model and GPU it is applied to; `source` is
-free text; any other key is an error.
+A calibration JSON (written by the microbenchmarks on a GPU, or by `penelope calibrate`) overrides
+any of `CALIBRATION_KEYS`; `model` and `gpu` keys, when present, must name the model and GPU it is
+applied to; `source` is free text; any other key is an error.
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ CALIBRATION_KEYS = (
     "window_kv_bytes_per_token",
     "load_bandwidth",
     "triton_pair_ratio",
+    "kv_read_growth",
 )
 METADATA_KEYS = ("model", "gpu", "source")
 # Range of every constant, in its unit. Each bound is orders of magnitude beyond any GPU or model
@@ -160,6 +167,7 @@ RANGES = {
     "sliding_window": (0, 2**31 - 1),
     "load_bandwidth": _BANDWIDTH,
     "triton_pair_ratio": (0.0, 1000.0),
+    "kv_read_growth": (0.0, 1.0),
 }
 # Constants that must not be 0.
 POSITIVE = ("num_gpus", "c_lin", "sec_per_linear_unit", "sec_per_attention_pair", "hbm_bandwidth", "load_bandwidth",
@@ -194,6 +202,7 @@ class TimeModel:
     sliding_window: int
     load_bandwidth: float
     triton_pair_ratio: float = TRITON_PAIR_RATIO
+    kv_read_growth: float = 0.0
     phantom_kernel: str = "fa3"
 
     def __post_init__(self) -> None:
@@ -324,14 +333,16 @@ class TimeModel:
 
     def decode_read_bytes(self, batch_size: int, kv_tokens):
         """Bytes one decode step of `batch_size` requests reads from HBM when they hold `kv_tokens`
-        KV tokens in all (a number or a float64 array of them, one per step)."""
+        KV tokens in all (a number or a float64 array of them, one per step); the KV read of
+        requests of `kv_tokens / batch_size` tokens each, grown by `kv_read_growth`."""
         kv_tokens = np.asarray(kv_tokens, dtype=np.float64)
         window_tokens = np.minimum(kv_tokens, batch_size * self.sliding_window)
+        context = kv_tokens / batch_size if batch_size else 0.0
         return (
             self.weight_bytes
             + self.embedding_row_bytes * batch_size
             + self.expected_experts(batch_size) * self.expert_bytes
-            + self.kv_bytes_per_token * kv_tokens
+            + self.kv_bytes_per_token * kv_tokens * (1.0 + self.kv_read_growth * context)
             + self.window_kv_bytes_per_token * window_tokens
         )
 

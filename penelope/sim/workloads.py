@@ -15,6 +15,13 @@ Key spaces (all non-negative int64): trace ids of session number s (0-based, in 
 at `session_key_base(s) + id`; the tools+system prefix shared by all sessions uses keys below
 `SESSION_KEY_STRIDE`; `Request.tail_key` names the partial last block of an input.
 
+Replies: most traces name input blocks only, and a session's next input carries new keys after
+the previous input, so a reply's KV is never matched. A workload whose prompts hold the replies
+(the real-server load generator's, where the next prompt is the previous prompt and reply) names
+the blocks of each prompt + reply after the input's whole blocks in `Request.output_blocks`: the
+simulator then caches the reply at finish (`reply_tokens`) and the next request's equal keys
+match it.
+
 Formats live in sibling modules (`weka.py`, `mooncake.py`, `synthetic.py`); `load_workload`
 picks one by name.
 """
@@ -72,6 +79,11 @@ class Request:
     kind: `"tool"` (an agent turn carrying tool results) or `"human"` (a user turn).
     tail_key: key of the input's partial last block.
     source: where the request came from, for messages (`trace_0008.json requests[17]`).
+    output_blocks: int64 `[m]`, read-only, or None (the workload does not name the reply): keys of
+        the blocks of the prompt + reply after the input's whole blocks, the block holding the
+        input's partial tail (if any) first and the reply's partial last block (if any) last.
+        With them, `keys` name exactly the input's whole blocks, and the tail's tokens are the
+        first tokens of `output_blocks[0]` (not `tail_key`'s).
     """
 
     keys: np.ndarray
@@ -82,10 +94,14 @@ class Request:
     kind: str
     tail_key: int
     source: str
+    output_blocks: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.keys.ndim != 1 or self.keys.dtype != np.int64:
             raise UsageError(f"{self.source}: keys must be a 1-D int64 array, got {self.keys.dtype}")
+        blocks = self.output_blocks
+        if blocks is not None and (not isinstance(blocks, np.ndarray) or blocks.ndim != 1 or blocks.dtype != np.int64):
+            raise UsageError(f"{self.source}: output_blocks must be a 1-D int64 array or None")
         if self.input_tokens < 0 or self.output_tokens < 0 or not self.think_time >= 0:
             raise UsageError(f"{self.source}: token counts and think_time must be non-negative")
         if self.kind not in KINDS:
@@ -161,6 +177,10 @@ class Workload:
         """Token ids of `request`'s input (see `request_tokens`)."""
         return request_tokens(request, self.block_size)
 
+    def reply_tokens(self, request: Request) -> np.ndarray | None:
+        """Token ids of `request`'s reply, or None (see `reply_tokens`)."""
+        return reply_tokens(request, self.block_size)
+
 
 def frozen_keys(values, where: str) -> np.ndarray:
     """A read-only int64 1-D array of keys; raises WorkloadError for non-integers."""
@@ -185,8 +205,11 @@ def request_tokens(request: Request, block_size: int) -> np.ndarray:
 
     Block key k becomes tokens `k*B .. k*B+B-1` (B = block_size), so inputs that share keys share
     tokens and different keys never produce equal tokens. The last key may cover a partial block.
-    Tokens past the keys get `tail_key*B + j`, unique to the request."""
+    Tokens past the keys get `tail_key*B + j`, unique to the request, or, where the request names
+    its reply's blocks, `output_blocks[0]*B + j` (the tail's block continues into the reply)."""
     n = request.input_tokens
+    if request.output_blocks is not None:
+        return _sequence_tokens(request, block_size)[:n]
     offsets = np.arange(block_size, dtype=np.int64)
     covered = min(request.n_blocks * block_size, n)
     tokens = np.empty(n, dtype=np.int64)
@@ -194,6 +217,28 @@ def request_tokens(request: Request, block_size: int) -> np.ndarray:
     tokens[:covered] = (request.keys[:, None] * block_size + offsets).reshape(-1)[:covered]
     tokens[covered:] = request.tail_key * block_size + offsets[: n - covered]
     return tokens
+
+
+def reply_tokens(request: Request, block_size: int) -> np.ndarray | None:
+    """Token ids of a request's reply as the next prompt holds them, int64 `[output_tokens]`, or
+    None where the request does not name its reply's blocks (`Request.output_blocks`)."""
+    if request.output_blocks is None:
+        return None
+    return _sequence_tokens(request, block_size)[request.input_tokens:]
+
+
+def _sequence_tokens(request: Request, block_size: int) -> np.ndarray:
+    """Token ids of prompt + reply, int64 `[input_tokens + output_tokens]`, from `keys` then
+    `output_blocks`; refuses block counts that do not cover exactly that sequence."""
+    n, total = request.input_tokens, request.input_tokens + request.output_tokens
+    blocks = request.output_blocks
+    if request.n_blocks != n // block_size or request.n_blocks + len(blocks) != -(-total // block_size):
+        raise UsageError(f"{request.source}: {request.n_blocks} input and {len(blocks)} output block keys do not "
+                         f"name the {n} // {block_size} whole input blocks and the blocks of {total} prompt + "
+                         "reply tokens after them")
+    keys = np.concatenate([request.keys, blocks])
+    offsets = np.arange(block_size, dtype=np.int64)
+    return (keys[:, None] * block_size + offsets).reshape(-1)[:total]
 
 
 @dataclass(frozen=True)
