@@ -86,6 +86,36 @@ def ablation_table(sweep: list[tuple[int, dict]]) -> str:
     return "\n".join(lines)
 
 
+SGLANG_POLICIES = {"leaf-tail-node": "LRU (default)", "sglang-lfu": "LFU", "sglang-slru": "SLRU",
+                   "sglang-tlru": "T-LRU", "sglang-session": "session cache"}
+
+
+def sglang_policies_table(sweep: list[tuple[int, dict]]) -> str:
+    """Per GPU capacity: each of SGLang's policies' hit rate and mean TTFT, then Penelope's change
+    against the best of them (lowest mean TTFT over the ensemble), paired run by run."""
+    head = ["GPU cache"] + [f"{label} hit rate / TTFT s" for label in SGLANG_POLICIES.values()]
+    head += ["best SGLang policy", "Penelope TTFT mean vs best", "Penelope TTFT p90 vs best"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for capacity, results in sweep:
+        ours = next(name for name in PENELOPE if name in results)
+        theirs = {r["policy"] if r["policy"] == "leaf-tail-node" else name: name
+                  for name, r in results.items() if name not in PENELOPE}
+        missing = [policy for policy in SGLANG_POLICIES if policy not in theirs]
+        if missing:
+            raise SystemExit(f"GPU {format_size(capacity)}: no results for {', '.join(missing)}")
+        cells = [format_size(capacity)]
+        for policy in SGLANG_POLICIES:
+            result = results[theirs[policy]]
+            ttft = Estimate.from_dict(result["metrics"]["ttft_mean"])
+            cells.append(f"{hit_rate(result)} / {ttft.mean:.3f}")
+        best = min(SGLANG_POLICIES, key=lambda p: Estimate.from_dict(results[theirs[p]]["metrics"]["ttft_mean"]).mean)
+        cells.append(SGLANG_POLICIES[best])
+        cells += [markdown_change(head_to_head(results, ours, theirs[best], field))
+                  for field in ("ttft_mean", "ttft_p90")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def ensemble_note(config: dict) -> str:
     ensemble = config["ensemble"]
     text = (f"{ensemble['repeat']} runs per setting, each time-model constant x U[{1 - ensemble['band']:g}, "
@@ -112,6 +142,9 @@ def weka(folder: Path) -> None:
             rows.append(main_row(setting, results))
     print(f"Main table ({ensemble_note(config)}):\n")
     print(MAIN_HEAD + "\n" + "\n".join(rows))
+    print("\nAgainst each of SGLang's own policies (GPU only), same ensembles; hit rate mean ±half-width, "
+          "mean TTFT over the runs; Penelope's change paired run by run:\n")
+    print(sglang_policies_table(sweep))
     ablation_config, ablation = load(folder / "ablation.json")
     print(f"\nAblation grid, changes against SGLang ({ensemble_note(ablation_config)}):\n")
     print(ablation_table(ablation))

@@ -13,12 +13,14 @@ OUT=results/weka
 REPEAT=${REPEAT:-10}
 BAND=${BAND:-0.03}
 mkdir -p "$OUT"
+# SGLang's default policy (LRU, `sglang`) and its newer ones, ported (penelope/cache/sglang_policies.py).
+SGLANG_POLICIES=sglang,sglang-lfu,sglang-slru,sglang-tlru,sglang-session
 VENV=${PENELOPE_VENV:-.venv}
 P="$VENV/bin/penelope"
 sim() { name=$1; shift; echo "== $name: penelope simulate $*"; "$P" simulate --trace "$TRACE" --overflow skip \
   --sessions 4 --repeat "$REPEAT" --band "$BAND" --no-progress --json "$OUT/$name.json" "$@"; }
 start=$(date +%s)
-sim gpu_sweep --gpu-cache 128K,192K,256K
+sim gpu_sweep --gpu-cache 96K,128K,192K,256K --policies $SGLANG_POLICIES,penelope
 sim ablation --gpu-cache 192K,256K --policies ablation
 sim fcfs --scheduler fcfs --gpu-cache 192K,256K
 sim two_tier_equal --gpu-cache 128K --cpu-cache 128K

@@ -136,6 +136,7 @@ def test_analyze_weka_folder(tmp_path, capsys):
         (["simulate", "--repeat", "2", "--jitter", "-0.1"], "--jitter must be in [0, 1)"),
         (["simulate", "--repeat", "2", "--jobs", "0"], "--jobs must be at least 1"),
         (["simulate", "--phantom-kernel", "cuda"], "unknown phantom kernel 'cuda'"),
+        (["simulate", "--cpu-cache", "128K", "--policies", "sglang-tlru,penelope"], "run them without --cpu-cache"),
         (["analyze"], "needs a trace"),
         (["analyze", str(TRACES), "--gpu-cache", "64K,128K"], "one capacity"),
     ],

@@ -165,6 +165,7 @@ def run(args) -> int:
     policies = parse_policies(args.policies)
     if args.replicas is not None and args.replicas > 1:
         check_fleet_policies(policies, args.replicas)
+    check_tier_policies(policies, args.cpu_cache)
     repeat, perturbation, jobs = ensemble_options(args)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
     setup = prepare(args, workers=jobs, repeat=repeat, policies=len(policies))
@@ -240,6 +241,20 @@ def check_fleet_policies(policies: list[str], replicas: int) -> None:
     if any(get_policy(name).name == ORACLE for name in policies):
         raise UsageError(f"--policies: the {ORACLE} policy and its lower bound need one server, not --replicas "
                          f"{replicas}")
+
+
+def check_tier_policies(policies: list[str], cpu_cache: str) -> None:
+    """SGLang's own policies (ported) model its GPU radix cache only: refuse them with a CPU tier
+    before the workload is loaded."""
+    from penelope.cache.policy import get_policy
+    from penelope.cache.sglang_policies import SGLangPolicy
+    from penelope.errors import UsageError
+    from penelope.units import parse_size
+
+    ported = [name for name in policies if isinstance(get_policy(name), SGLangPolicy)]
+    if ported and parse_size(cpu_cache, "--cpu-cache", allow_zero=True):
+        raise UsageError(f"--policies {','.join(ported)}: SGLang's own policies model its GPU radix cache; "
+                         "run them without --cpu-cache (the two tiers' baseline is sglang, HiCache-like)")
 
 
 def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
