@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from penelope.errors import UsageError  # noqa: E402
 
 DEFAULT_AB = ROOT / "docs" / "ab-table" / "ab.json"
+SHARED_TRACES = ROOT.parent / "shared" / "traces" / "weka-claude-code"
 # SGLang 0.5.23's default --schedule-policy.
 SCHEDULER = "fcfs"
 RECOMPUTED_WITHIN = 0.05
@@ -130,14 +131,53 @@ def think_time_text(think: dict) -> str:
     return ",".join(items)
 
 
+def model_of(setup: dict) -> str:
+    """The served model's config.json: the recorded checkpoint folder's when it is here, else,
+    for a checkpoint `penelope ab` generated (`setup.model_spec` `scale:S` or `tiny`), that
+    checkpoint's config written into a temporary folder of the recorded folder's name."""
+    folder = _field({"setup": setup}, "setup.model")
+    if (Path(str(folder)) / "config.json").is_file():
+        return str(folder)
+    spec = setup.get("model_spec")
+    if not isinstance(spec, str) or not spec:
+        raise UsageError(f"the model of ab.json ({folder}) is not here and ab.json has no setup.model_spec: "
+                         "give --model")
+    import atexit
+    import shutil
+    import tempfile
+
+    from penelope.loadgen.models import SCALE, TINY, model_scale
+
+    # Named as the recorded folder: a calibration names the model it was measured on by it.
+    scratch = tempfile.mkdtemp(prefix="sim-vs-server-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    target = Path(scratch) / Path(str(folder)).name
+    target.mkdir()
+    if spec.startswith(SCALE):
+        from penelope.engine.scale_model import scale_model_config
+
+        config = scale_model_config(model_scale(spec)).to_hf()
+        (target / "config.json").write_text(json.dumps(config) + "\n")
+        return str(target)
+    if spec == TINY:
+        from penelope.integration.sglang.verify import tiny_model
+
+        return str(tiny_model(target))
+    raise UsageError(f"the model of ab.json ({folder}, --model {spec}) is not here: give --model")
+
+
 def trace_of(workload: dict, given: str | None):
     """The trace files the servers' load generator read: `--trace`, else the loader's sources
-    when they all exist, else the recorded trace folder."""
+    when they all exist, else files of the same names in the shared WEKA traces, else the
+    recorded trace folder."""
     if given:
         return given
     sources = workload.get("loader", {}).get("sources") or []
     if sources and all(Path(s).is_file() for s in sources):
         return sources
+    shared = [SHARED_TRACES / Path(s).name for s in sources]
+    if shared and all(path.is_file() for path in shared):
+        return [str(path) for path in shared]
     trace = _field(workload, "workload.trace") if "trace" not in workload else workload["trace"]
     if trace is None or not Path(trace).exists():
         raise UsageError(f"the trace of ab.json ({trace}) is not here: give --trace")
@@ -212,7 +252,7 @@ def compare(ab: dict, calibration: str, model: str | None, trace: str | None) ->
     sessions, prime = _count(need, "load.sessions"), _field(need, "load.prime")
     if not isinstance(prime, bool):
         raise UsageError(f"ab.json's load.prime is {prime!r}: expected true or false")
-    model = model or _field(need, "setup.model")
+    model = model or model_of(setup)
     shape = get_model(model)
     time_model = TimeModel.from_json(calibration, shape)
     source = str(json.loads(Path(calibration).read_text()).get("source", ""))
@@ -276,7 +316,7 @@ def _poor_fit(source: str) -> bool:
 def _interval(e: dict | None, digits: int = 2, percent: bool = False) -> str:
     if not e:
         return "-"
-    f = (lambda x: f"{x:+.1%}") if percent else (lambda x: f"{x:.{digits}f}")
+    f = (lambda x: f"{x:+.1%}") if percent else (lambda x: f"{x:,.{digits}f}")
     if e.get("low") is None or e.get("high") is None or any(math.isnan(e[k]) for k in ("low", "high")):
         return f(e["mean"])
     return f"{f(e['mean'])} [{f(e['low'])}, {f(e['high'])}]"

@@ -358,6 +358,7 @@ def test_the_command_prints_and_writes_what_finished_when_stopped(tmp_path, monk
     payload = json.loads((out / "ab.json").read_text())
     assert payload["interrupted"] and [r["config"] for r in payload["runs"]] == ["sglang-lru", "penelope"]
     assert payload["pairs"] == {"penelope": [0]}
+    assert payload["setup"]["model_spec"] == str(model)
     assert len((out / "records-penelope.jsonl").read_text().splitlines()) == 6
 
 

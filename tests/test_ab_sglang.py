@@ -46,6 +46,8 @@ def test_penelope_against_sglang_lru_on_forced_eviction(tmp_path, monkeypatch, c
     assert [(run["config"], run["round"]) for run in result["runs"]] == [
         ("penelope", 0), ("sglang-lru", 0), ("sglang-lru", 1), ("penelope", 1)]
     assert result["servers_mode"] == "resident"
+    # The generated checkpoint is named by its spec too, so a comparison can rebuild it elsewhere.
+    assert result["setup"]["model_spec"] == "tiny" and result["setup"]["model"] == str(out / "model")
     assert not result["interrupted"] and result["pairs"] == {"penelope": [0, 1]}
     for run in result["runs"]:
         assert run["sent"] == run["finished"] == 20 and run["errors"] == 0 and run["stopped"] == "done"

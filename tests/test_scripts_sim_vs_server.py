@@ -3,6 +3,7 @@ policy settings it reads reach the simulator, the verdicts (Penelope's change in
 interval, recomputed tokens within 5%) follow the figures, a poor calibration is labelled, and
 bad input is one line."""
 import json
+from pathlib import Path
 
 import pytest
 import scripts_env
@@ -85,7 +86,10 @@ def test_the_comparison_of_a_tiny_ab_json(tmp_path, capsys):
     # On the server Penelope cut LRU's TTFT by 75% in both rounds (an interval of -75% alone); less simulated.
     assert rows["sglang-lru"]["penelope_ttft_change"]["server"]["high"] == pytest.approx(-0.75)
     assert rows["sglang-lru"]["penelope_ttft_change"]["inside"] is False
-    assert "Calibration: test calibration" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Calibration: test calibration" in out
+    # The server's recomputed tokens (1,000 [950, 1,050]) print with thousands separators, as the sim's.
+    assert "| 1,000 [950, 1,050] |" in out
 
 
 def test_recomputed_within_five_percent_follows_the_figures(tmp_path):
@@ -207,3 +211,31 @@ def test_the_servers_page_is_the_simulators_block_and_page(tmp_path, monkeypatch
     assert code == 0 and configs
     # SGLang caches and charges its budgets in pages of 16 here: so does the simulator.
     assert {(c.block_size, c.page_size, c.chunk_size) for c in configs} == {(16, 16, 256)}
+
+
+
+def test_a_generated_model_gone_from_disk_is_rebuilt_from_its_spec(tmp_path):
+    """The table's ab.json names a scale model in a folder of the machine that ran it: its
+    config.json is rebuilt from setup.model_spec, in a folder of the same name (the calibration's)."""
+    from penelope.engine.scale_model import scale_model_config
+
+    here = tmp_path / "model"
+    here.mkdir()
+    (here / "config.json").write_text(json.dumps(CONFIG))
+    assert script.model_of({"model": str(here), "model_spec": "scale:7"}) == str(here)
+    rebuilt = Path(script.model_of({"model": str(tmp_path / "gone" / "model"), "model_spec": "scale:7"}))
+    assert rebuilt.name == "model" and rebuilt != here
+    assert json.loads((rebuilt / "config.json").read_text()) == scale_model_config(7).to_hf()
+    for setup in ({"model": str(tmp_path / "gone")}, {"model": str(tmp_path / "gone"), "model_spec": "Qwen/Qwen3-8B"}):
+        with pytest.raises(script.UsageError, match="give --model"):
+            script.model_of(setup)
+
+
+def test_trace_files_moved_away_are_found_in_the_shared_traces(tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "SHARED_TRACES", WEKA_TRACES)
+    workload = {"trace": str(tmp_path / "gone"),
+                "loader": {"sources": [str(tmp_path / "gone" / "trace_0008.json")]}}
+    assert script.trace_of(workload, None) == [str(WEKA_TRACES / "trace_0008.json")]
+    workload["loader"]["sources"].append(str(tmp_path / "gone" / "trace_9999.json"))
+    with pytest.raises(script.UsageError, match="give --trace"):
+        script.trace_of(workload, None)

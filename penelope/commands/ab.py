@@ -214,7 +214,7 @@ def run(args) -> int:
     print()
     print(report_text(result))
     payload = report_payload(result)
-    payload["setup"] = {**dataclasses.asdict(setup), "tlru": dataclasses.asdict(tlru)}
+    payload["setup"] = {**dataclasses.asdict(setup), "model_spec": args.model, "tlru": dataclasses.asdict(tlru)}
     payload["workload"] = {**description, "turns": args.turns, "scale": args.scale,
                            "time_scale": args.time_scale,
                            "sessions": args.sessions, "requests": workload.num_requests}
