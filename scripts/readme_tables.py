@@ -52,10 +52,17 @@ def change(result: dict, field: str) -> str:
     return markdown_change(Estimate.from_dict(result["vs_sglang"][field]))
 
 
+def skipped_note(results: dict) -> str:
+    """The note " (N of M requests never fit the cache, left out)" when a run skipped requests."""
+    run = penelope_of(results)["runs"][0]
+    skipped = run.get("skipped_requests", 0)
+    return f" ({skipped} of {run['requests'] + skipped} requests never fit the cache, left out)" if skipped else ""
+
+
 def main_row(setting: str, results: dict) -> str:
     base, ours = baseline_of(results), penelope_of(results)
-    cells = [setting, hit_rate(base), hit_rate(ours), change(ours, "ttft_mean"), change(ours, "ttft_p90"),
-             change(ours, "jct_mean")]
+    cells = [setting + skipped_note(results), hit_rate(base), hit_rate(ours), change(ours, "ttft_mean"),
+             change(ours, "ttft_p90"), change(ours, "jct_mean")]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -20,7 +20,7 @@ P="$VENV/bin/penelope"
 sim() { name=$1; shift; echo "== $name: penelope simulate $*"; "$P" simulate --trace "$TRACE" --overflow skip \
   --sessions 4 --repeat "$REPEAT" --band "$BAND" --no-progress --json "$OUT/$name.json" "$@"; }
 start=$(date +%s)
-sim gpu_sweep --gpu-cache 96K,128K,192K,256K --policies $SGLANG_POLICIES,penelope
+sim gpu_sweep --gpu-cache 128K,192K,256K --policies $SGLANG_POLICIES,penelope
 sim ablation --gpu-cache 192K,256K --policies ablation
 sim fcfs --scheduler fcfs --gpu-cache 192K,256K
 sim two_tier_equal --gpu-cache 128K --cpu-cache 128K

@@ -48,3 +48,16 @@ def test_a_sweep_without_one_of_sglangs_policies_is_refused():
     ttft = {name: [1.0, 1.1] for name in POLICIES if name != "sglang-tlru"}
     with pytest.raises(SystemExit, match="sglang-tlru"):
         tables.sglang_policies_table([(128 * 1024, results(ttft))])
+
+
+def test_a_setting_that_left_requests_out_says_so():
+    ttft = {name: [1.0, 1.1] for name in POLICIES}
+    runs = results(ttft)
+    for result in runs.values():
+        for run in result["runs"]:
+            run.update(requests=1626, skipped_requests=326)
+    assert tables.skipped_note(runs) == " (326 of 1952 requests never fit the cache, left out)"
+    for result in runs.values():
+        for run in result["runs"]:
+            run.update(skipped_requests=0)
+    assert tables.skipped_note(runs) == ""
