@@ -82,8 +82,10 @@ def _estimate(data: dict, path: str, required: bool = True) -> dict | None:
     value = _field(data, path) if required else data.get(path.rpartition(".")[2])
     if value is None and not required:
         return None
-    if not isinstance(value, dict) or not _number(value.get("mean")):
-        raise UsageError(f"ab.json's {path} is {value!r}: expected an estimate (an object with a numeric mean)")
+    if not isinstance(value, dict) or not _number(value.get("mean")) \
+            or not all(value.get(k) is None or _number(value[k]) for k in ("low", "high")):
+        raise UsageError(f"ab.json's {path} is {value!r}: expected an estimate (an object with a numeric mean, "
+                         "low and high)")
     return value
 
 
@@ -112,8 +114,8 @@ def read_ab(path: Path) -> dict:
         raise UsageError(f"{path}: no such ab.json (penelope ab --out DIR writes DIR/ab.json)")
     try:
         data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise UsageError(f"{path}: not JSON") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise UsageError(f"{path}: not JSON (or nested too deeply)") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: not an ab.json (a JSON object with setup, workload, load, configs, runs)")
     for key in ("setup", "workload", "load", "configs", "runs", "estimates"):
@@ -172,14 +174,17 @@ def trace_of(workload: dict, given: str | None):
     recorded trace folder."""
     if given:
         return given
-    sources = workload.get("loader", {}).get("sources") or []
+    loader = workload.get("loader") or {}
+    sources = loader.get("sources") if isinstance(loader, dict) else None
+    if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+        sources = []
     if sources and all(Path(s).is_file() for s in sources):
         return sources
     shared = [SHARED_TRACES / Path(s).name for s in sources]
     if shared and all(path.is_file() for path in shared):
         return [str(path) for path in shared]
     trace = _field(workload, "workload.trace") if "trace" not in workload else workload["trace"]
-    if trace is None or not Path(trace).exists():
+    if not isinstance(trace, str) or not Path(trace).exists():
         raise UsageError(f"the trace of ab.json ({trace}) is not here: give --trace")
     return trace
 
@@ -194,7 +199,8 @@ def load_workload(ab: dict, trace: str | None):
     fmt = _field(work, "workload.format")
     scale = check_scale(_field(work, "workload.scale"))
     from_context = _field(work, "workload.from_context")
-    turns = _optional_count(ab["workload"], "turns", "workload.turns") if _field(work, "workload.turns") else None
+    _field(work, "workload.turns")
+    turns = _optional_count(ab["workload"], "turns", "workload.turns")
     seed = ab["workload"].get("seed") or 0
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise UsageError(f"ab.json's workload.seed is {seed!r}: expected an integer")
@@ -271,6 +277,9 @@ def compare(ab: dict, calibration: str, model: str | None, trace: str | None) ->
         policy = sim_policy(name, entry, setup)
         result = run_policy(workload, policy, config, time_model, cost)
         summary = result.summary
+        if not summary.requests:
+            raise UsageError(f"no request of the workload fits ab.json's setup.pool of {pool:,} tokens: "
+                             "nothing simulated")
         simulated[name] = summary
         est = {"estimates": {name: ab["estimates"][name]}}
         for key in ("ttft_mean", "ttft_p90", "cached_fraction"):
@@ -364,10 +373,21 @@ def main(argv: list[str] | None = None) -> int:
         from penelope.outputs import check_outputs, write_text
 
         # Before the run: a bad --json costs nothing, and never writes over an input.
-        check_outputs({"--json": args.json}, {"--ab": str(args.ab), "--calibration": args.calibration})
+        check_outputs({"--json": args.json}, {"--ab": str(args.ab), "--calibration": args.calibration,
+                                              "--model": args.model, "--trace": args.trace})
         started = time.perf_counter()
         ab = read_ab(args.ab)
-        result = compare(ab, args.calibration, args.model, args.trace)
+        # The trace and model ab.json names (when the flags do not) are inputs too.
+        model = args.model or model_of(ab["setup"])
+        trace = args.trace
+        if ab["workload"].get("format") != "synthetic":
+            trace = trace_of(ab["workload"], args.trace)
+        traces = [trace] if isinstance(trace, str) else trace or []
+        named = {"--trace": args.trace} if args.trace else {
+            f"ab.json's trace ({i} of {len(traces)})": path for i, path in enumerate(traces, 1)}
+        config = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
+        check_outputs({"--json": args.json}, {"--model": str(config), **named})
+        result = compare(ab, args.calibration, model, trace)
         ab_path = args.ab.resolve()
         result["ab"] = str(ab_path.relative_to(ROOT) if ab_path.is_relative_to(ROOT) else ab_path)
         result["seconds"] = time.perf_counter() - started

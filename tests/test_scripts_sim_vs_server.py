@@ -134,6 +134,14 @@ def test_bad_input_is_one_line(tmp_path, capsys, change, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_an_ab_json_nested_too_deeply_is_one_line(tmp_path, capsys):
+    path, calibration = fixture(tmp_path)
+    path.write_text("[" * 100000)
+    assert script.main(["--ab", str(path), "--calibration", str(calibration)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not JSON" in err and len(err.splitlines()) == 1
+
+
 def test_a_missing_ab_json_or_calibration_is_one_line(tmp_path, capsys):
     path, calibration = fixture(tmp_path)
     assert script.main(["--ab", str(tmp_path / "none.json"), "--calibration", str(calibration)]) == 2
@@ -164,6 +172,9 @@ def test_a_missing_ab_json_or_calibration_is_one_line(tmp_path, capsys):
     (lambda d: d["workload"].update(limit_sessions=-1), "ab.json's workload.limit_sessions is -1"),
     (lambda d: d["workload"].update(time_scale="x"), "--time-scale must be a positive number"),
     (lambda d: d.update(estimates={}), "nothing to compare"),
+    (lambda d: d["estimates"]["penelope"]["ttft_mean"].update(low="a"), "ab.json's estimates.penelope.ttft_mean"),
+    (lambda d: d["workload"].update(loader="weka", trace=7), "the trace of ab.json (7) is not here"),
+    (lambda d: d["workload"].update(turns=0), "ab.json's workload.turns is 0"),
 ])
 def test_a_malformed_ab_json_is_one_line(tmp_path, capsys, change, message):
     path, calibration = broken(tmp_path, change)
@@ -183,6 +194,36 @@ def test_a_bad_json_path_is_one_line_before_the_run(tmp_path, capsys, monkeypatc
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert path.read_text() == before
+
+
+def test_the_trace_and_model_it_reads_are_never_written(tmp_path, capsys, monkeypatch):
+    """The trace files and the model, given or named by ab.json, are inputs: --json refuses them."""
+    path, calibration = fixture(tmp_path)
+    monkeypatch.setattr(script, "compare", lambda *a: pytest.fail("replayed before checking --json"))
+    trace = tmp_path / "trace_0008.json"
+    trace.write_text((WEKA_TRACES / "trace_0008.json").read_text())
+    model_config = tmp_path / "tinymodel" / "config.json"
+    before = {p: p.read_text() for p in (trace, model_config)}
+    data = json.loads(path.read_text())
+    data["workload"]["loader"]["sources"] = [str(trace)]
+    path.write_text(json.dumps(data))
+    for extra, out, message in (
+            (["--trace", str(trace)], trace, "is the input --trace"),
+            ([], trace, "is the input ab.json's trace (1 of 1)"),
+            ([], model_config, "is the input --model"),
+            (["--model", str(model_config.parent)], model_config, "is the input --model")):
+        argv = ["--ab", str(path), "--calibration", str(calibration), *extra, "--json", str(out)]
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert {p: p.read_text() for p in before} == before
+
+
+def test_a_pool_no_request_fits_is_one_line(tmp_path, capsys):
+    path, calibration = broken(tmp_path, lambda d: d["setup"].update(pool=16))
+    assert script.main(["--ab", str(path), "--calibration", str(calibration)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no request of the workload fits ab.json's setup.pool of 16 tokens" in err and len(err.splitlines()) == 1
 
 
 def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
