@@ -31,6 +31,8 @@ Settings follow SGLang's `--radix-eviction-policy-config`, as `name:key=value:..
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -70,6 +72,10 @@ class SGLangPolicy(TailPolicy):
         if unknown:
             raise UsageError(f"eviction policy {self.name!r} has no setting {unknown[0]!r} "
                              f"(settings: {', '.join(self.settings) or 'none'})")
+        negative = [key for key, value in values.items() if value < 0]
+        if negative:
+            raise UsageError(f"eviction policy {type(self).name!r}: setting {negative[0]}={values[negative[0]]} "
+                             "must be non-negative")
         for key, default in self.settings.items():
             setattr(self, key, values.get(key, default))
         changed = [f"{key}={getattr(self, key)}" for key, default in self.settings.items()
@@ -87,9 +93,12 @@ class SGLangPolicy(TailPolicy):
         values = {}
         for item in text.split(":"):
             key, sep, value = item.partition("=")
-            if not sep or not key or not value.strip().lstrip("-").isdigit():
+            key = key.strip()
+            if not sep or not key or not re.fullmatch(r"-?[0-9]+", value.strip()):
                 raise UsageError(f"eviction policy {cls.name!r}: setting {item!r} is not key=integer")
-            values[key.strip()] = int(value)
+            if key in values:
+                raise UsageError(f"eviction policy {cls.name!r}: setting {key!r} given twice")
+            values[key] = int(value)
         return cls(**values)
 
     def check_settings(self) -> None:
