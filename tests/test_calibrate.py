@@ -371,3 +371,39 @@ def test_calibrate_needs_a_server_or_a_points_file(tmp_path, capsys):
     assert main(["calibrate", "--model", "qwen3-8b", "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert "one of the arguments --url --from-points is required" in err and len(err.splitlines()) == 1
+
+
+def test_a_constant_the_points_leave_at_zero_keeps_its_estimate_and_the_fit_is_scored_with_it(tmp_path, capsys):
+    """Prefill times that do not grow with attention pairs fit sec_per_attention_pair = 0, which a
+    time model cannot take: it is not written, the simulator keeps its estimate, and the R^2
+    printed is that of the times the simulator will predict."""
+    data = known_points()
+    for point in data["prefill"]:
+        point[2] = OVERHEAD + PER_TOKEN * point[0]
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps(data))
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--from-points", str(points), "--model", "qwen3-8b", "--out", str(out),
+                 "--accept-poor-fit"]) == 0
+    text = capsys.readouterr().out
+    assert "sec_per_attention_pair" not in json.loads(out.read_text())
+    model = TimeModel.from_json(out, "qwen3-8b")
+    assert "sec_per_attention_pair: the points leave it at zero; the simulator keeps its estimate " \
+           f"{model.sec_per_attention_pair:.4g}" in text
+    predicted = [model.prefill_time(n, pairs) for n, pairs, _, _ in data["prefill"]]
+    expected = fit_quality(predicted, [p[2] for p in data["prefill"]])
+    assert f"prefill: R^2 {expected['r2']:.3f}, largest relative error {expected['max_relative_error']:.1%}" in text
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["prefill"][0].__setitem__(0, 10**400),
+    lambda p: [point.__setitem__(2, point[2] * 1e-300) for point in p["prefill"]],
+])
+def test_points_out_of_any_plausible_range_are_one_line(tmp_path, capsys, change):
+    data = known_points()
+    change(data)
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps(data))
+    code = main(["calibrate", "--from-points", str(points), "--model", "qwen3-8b", "--out", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -32,7 +32,6 @@ Settings follow SGLang's `--radix-eviction-policy-config`, as `name:key=value:..
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 from typing import ClassVar
 

@@ -124,9 +124,15 @@ def run(args) -> int:
     return fit_and_write(args, shape, cost, points, target.as_dict(), f"penelope calibrate {target.url}")
 
 
+# The prefill constants a calibration fits (`fit_calibration`).
+PREFILL_CONSTANTS = ("batch_overhead", "sec_per_linear_unit", "sec_per_attention_pair")
+
+
 def fit_and_write(args, shape, cost, points, server: dict, source: str) -> int:
     """Fit the time model to the fastest repeat of each of `points`, print the fits' quality,
     write `--points` (every point, the fits, their quality) and, unless a fit is poor, `--out`."""
+    import numpy as np
+
     from penelope.commands.simulate_json import write_json
     from penelope.errors import UsageError
     from penelope.sim.calibration import (
@@ -140,19 +146,30 @@ def fit_and_write(args, shape, cost, points, server: dict, source: str) -> int:
     )
     from penelope.sim.timemodel import TimeModel
 
-    measured = {"prefill": [(cost.c_lin * tokens, pairs, seconds) for tokens, pairs, seconds, _ in points.prefill
-                            if tokens > 0],
-                "decode": list(points.decode)}
-    prefill, steps = fastest_repeats(measured["prefill"]), fastest_repeats(measured["decode"])
-    fit = fit_calibration(prefill, model=shape.name, gpu=None, source=source)
-    quality = {"prefill": fit_quality(prefill_prediction(fit, [p[0] for p in prefill], [p[1] for p in prefill]),
-                                      [p[2] for p in prefill])}
-    kv_bytes = TimeModel.estimate(shape).kv_bytes_per_token
-    decode = fit_decode(steps, kv_bytes)
-    if decode:
-        quality["decode"] = fit_quality(decode_prediction(decode, [d[0] for d in steps], [d[1] for d in steps]),
-                                        [d[2] for d in steps])
-        fit.update(decode)
+    estimate = TimeModel.estimate(shape)
+    try:
+        with np.errstate(all="ignore"):
+            measured = {"prefill": [(cost.c_lin * tokens, pairs, seconds)
+                                    for tokens, pairs, seconds, _ in points.prefill if tokens > 0],
+                        "decode": list(points.decode)}
+            prefill, steps = fastest_repeats(measured["prefill"]), fastest_repeats(measured["decode"])
+            fit = fit_calibration(prefill, model=shape.name, gpu=None, source=source)
+            quality = {}
+            if len(prefill) >= 3:
+                # Scored with the constants the simulator will use: a constant the points leave at
+                # zero is not written (the time model needs it positive), so it keeps its estimate.
+                used = {key: fit.get(key, getattr(estimate, key)) for key in PREFILL_CONSTANTS}
+                quality["prefill"] = fit_quality(
+                    prefill_prediction(used, [p[0] for p in prefill], [p[1] for p in prefill]),
+                    [p[2] for p in prefill])
+            decode = fit_decode(steps, estimate.kv_bytes_per_token)
+            if decode:
+                quality["decode"] = fit_quality(
+                    decode_prediction(decode, [d[0] for d in steps], [d[1] for d in steps]), [d[2] for d in steps])
+                fit.update(decode)
+    except (OverflowError, np.linalg.LinAlgError) as err:
+        raise UsageError(f"the measured points cannot be fitted ({err}): times or token counts out of "
+                         "any plausible range") from None
     for name, q in quality.items():
         spread = repeat_spread(measured[name])
         repeats = "" if spread is None else (f" (the fastest of each point's repeats, which differ by {spread[0]:.0%} "
@@ -162,6 +179,10 @@ def fit_and_write(args, shape, cost, points, server: dict, source: str) -> int:
     if not decode:
         print("decode: fewer than 3 timed steps, or steps that do not grow with the KV held; the decode constants "
               "keep their estimates")
+    for key in PREFILL_CONSTANTS:
+        if len(prefill) >= 3 and key not in fit:
+            print(f"  {key}: the points leave it at zero; the simulator keeps its estimate "
+                  f"{getattr(estimate, key):.4g}, and the fit above is scored with it")
     for key in ("batch_overhead", "sec_per_linear_unit", "sec_per_attention_pair", "decode_overhead",
                 "hbm_bandwidth", "embedding_row_bytes", "kv_read_growth"):
         if key in fit:
