@@ -3,7 +3,6 @@
     python scripts/readme_tables.py weka results/weka    # after scripts/weka_results.sh
     python scripts/readme_tables.py synthetic results    # after penelope reproduce
     python scripts/readme_tables.py fleet results/mooncake/fleet.json    # after scripts/mooncake_fleet.sh
-    python scripts/readme_tables.py fleet results/mooncake/fleet.json   # after scripts/mooncake_fleet.sh
 
 Every figure is a mean over the ensemble's runs with its 95% interval: hit rates as mean ±half-width,
 changes against SGLang as mean [low, high], or "no significant difference [low, high]" when the
@@ -17,19 +16,36 @@ import json
 import sys
 from pathlib import Path
 
+from penelope.errors import UsageError
 from penelope.sim.ensemble_report import markdown_change
 from penelope.sim.stats import Estimate, paired_changes
 from penelope.units import format_size
 
 PENELOPE = ("penelope", "private-head-block")
+# The script that writes each mode's JSON, named when a file is missing.
+WRITERS = {"weka": "scripts/weka_results.sh", "synthetic": "penelope reproduce",
+           "fleet": "scripts/mooncake_fleet.sh"}
+
+
+class TableError(Exception):
+    """Input the tables cannot be made from: one line on stderr, exit 2."""
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise TableError(f"{path}: missing")
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise TableError(f"{path}: not JSON") from None
 
 
 def load(path: Path) -> tuple[dict, list[tuple[int, dict]]]:
     """(config, [(GPU capacity, results by policy)]) of one `penelope simulate --repeat` JSON."""
-    payload = json.loads(path.read_text())
-    config = payload["config"]
-    if "ensemble" not in config:
-        raise SystemExit(f"{path}: not an ensemble (run penelope simulate with --repeat N)")
+    payload = read_json(path)
+    config = payload.get("config") if isinstance(payload, dict) else None
+    if not isinstance(config, dict) or "ensemble" not in config:
+        raise TableError(f"{path}: not an ensemble (run penelope simulate with --repeat N)")
     if "sweep" in payload:
         return config, [(entry["gpu_cache"], entry["results"]) for entry in payload["sweep"]]
     return config, [(config["gpu_cache"], payload["results"])]
@@ -109,7 +125,7 @@ def sglang_policies_table(sweep: list[tuple[int, dict]]) -> str:
                   for name, r in results.items() if name not in PENELOPE}
         missing = [policy for policy in SGLANG_POLICIES if policy not in theirs]
         if missing:
-            raise SystemExit(f"GPU {format_size(capacity)}: no results for {', '.join(missing)}")
+            raise TableError(f"GPU {format_size(capacity)}: no results for {', '.join(missing)}")
         cells = [format_size(capacity)]
         for policy in SGLANG_POLICIES:
             result = results[theirs[policy]]
@@ -186,10 +202,10 @@ def plus_minus_seconds(result: dict, field: str) -> str:
 
 def fleet(path: Path) -> None:
     """One row per (GPU capacity, router) of a `simulate --replicas N --router ... --repeat M` JSON."""
-    payload = json.loads(path.read_text())
-    config = payload["config"]
-    if "ensemble" not in config or config.get("replicas", 1) < 2:
-        raise SystemExit(f"{path}: not a fleet ensemble (run penelope simulate with --replicas N --repeat M)")
+    payload = read_json(path)
+    config = payload.get("config") if isinstance(payload, dict) else None
+    if not isinstance(config, dict) or "ensemble" not in config or config.get("replicas", 1) < 2:
+        raise TableError(f"{path}: not a fleet ensemble (run penelope simulate with --replicas N --repeat M)")
     entries = payload["sweep"] if "sweep" in payload else [
         {"gpu_cache": config["gpu_cache"], "router": config["routers"][0], "results": payload["results"]}]
     print(f"Fleet of {config['replicas']} replicas ({ensemble_note(config)}):\n")
@@ -209,7 +225,15 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in modes:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         return 2
-    modes[argv[0]](Path(argv[1]))
+    try:
+        modes[argv[0]](Path(argv[1]))
+    except TableError as err:
+        print(f"readme_tables: {err} ({WRITERS[argv[0]]} writes the results)", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, UsageError) as err:
+        print(f"readme_tables: the results in {argv[1]} are not what {WRITERS[argv[0]]} writes "
+              f"({type(err).__name__}: {err})", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,4 +1,6 @@
 """scripts/readme_tables.py's table against SGLang's own policies, on hand-made ensemble results."""
+import json
+
 import pytest
 from scripts_env import load_script
 
@@ -46,7 +48,7 @@ def test_a_policy_that_beats_penelope_shows_as_a_positive_change():
 
 def test_a_sweep_without_one_of_sglangs_policies_is_refused():
     ttft = {name: [1.0, 1.1] for name in POLICIES if name != "sglang-tlru"}
-    with pytest.raises(SystemExit, match="sglang-tlru"):
+    with pytest.raises(tables.TableError, match="sglang-tlru"):
         tables.sglang_policies_table([(128 * 1024, results(ttft))])
 
 
@@ -61,3 +63,17 @@ def test_a_setting_that_left_requests_out_says_so():
         for run in result["runs"]:
             run.update(skipped_requests=0)
     assert tables.skipped_note(runs) == ""
+
+
+def test_missing_or_foreign_results_are_one_line_naming_the_script_that_writes_them(tmp_path, capsys):
+    assert tables.main(["weka", str(tmp_path / "none")]) == 2
+    (tmp_path / "gpu_sweep.json").write_text(json.dumps({"config": {"ensemble": {}}, "results": {}}))
+    assert tables.main(["weka", str(tmp_path)]) == 2
+    (tmp_path / "simulate.json").write_text("[" * 100000)
+    assert tables.main(["synthetic", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("readme_tables: ") and "gpu_sweep.json: missing" in lines[0]
+    assert "scripts/weka_results.sh writes the results" in lines[0]
+    assert "are not what scripts/weka_results.sh writes" in lines[1]
+    assert "simulate.json: not JSON" in lines[2] and "penelope reproduce" in lines[2]
