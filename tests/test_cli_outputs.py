@@ -209,6 +209,17 @@ def test_ctrl_c_keeps_the_finished_capacities(tmp_path, capsys, monkeypatch):
     assert set(payload["sweep"][0]["results"]) == {"sglang", "penelope"}
 
 
+def test_ctrl_c_without_json_shows_the_finished_capacities(capsys, monkeypatch):
+    from penelope.sim import ensemble
+
+    interrupt_after(monkeypatch, ensemble._Replayer, "run", 4)
+    assert main([*SWEEP, "--jobs", "1"]) == 130
+    printed = capsys.readouterr()
+    assert printed.err == "penelope: interrupted\n"
+    assert "GPU cache 64K: pressure" in printed.out and "GPU cache 96K: pressure" in printed.out
+    assert "GPU cache 128K: pressure" not in printed.out
+
+
 def test_ctrl_c_before_any_capacity_finished_writes_nothing(tmp_path, capsys, monkeypatch):
     from penelope.sim import ensemble
 

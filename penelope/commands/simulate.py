@@ -157,7 +157,7 @@ def run(args) -> int:
     from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
     from penelope.outputs import check_outputs
     from penelope.sim.ensemble import run_ensembles
-    from penelope.sim.fleet_report import fleet_table, saturation_warnings
+    from penelope.sim.fleet_report import saturation_warnings
     from penelope.sim.options import workload_inputs
     from penelope.sim.run import parse_policies
     from penelope.sim.timemodel import TimeModel
@@ -191,22 +191,18 @@ def run(args) -> int:
             on_ensemble=finished.__setitem__,
         )
     except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        # The settings that finished are shown, as they would have been (and kept in --json).
+        print_tables([(settings[i], finished[i]) for i in sorted(finished)], repeat, fleet, args.per_replica)
         done = [(settings[i], setting_results(finished[i], policies)) for i in sorted(finished)]
         raise interrupted(args.json, config_json, settings, done, fleet) from None
     finally:
         if bar is not None:
             bar.close()
     sweep = list(zip(settings, ensembles, strict=True))
-    for (capacity, _), ensemble in sweep:
-        print()
-        if repeat > 1:
-            from penelope.sim.ensemble_report import ensemble_tables
-
-            print(ensemble_tables(capacity, ensemble))
-        else:
-            print(results_table(capacity, ensemble.runs[0], ensemble.config))
-        if fleet:
-            print(fleet_table(ensemble, args.per_replica))
+    print_tables(sweep, repeat, fleet, args.per_replica)
     print(
         "\ntimes in seconds of simulated time; recompute cost in attention-pair units of the cost model; "
         + ("a change is a win or a loss only when its interval excludes zero" if repeat > 1 else
@@ -241,6 +237,22 @@ def check_fleet_policies(policies: list[str], replicas: int) -> None:
     if any(get_policy(name).name == ORACLE for name in policies):
         raise UsageError(f"--policies: the {ORACLE} policy and its lower bound need one server, not --replicas "
                          f"{replicas}")
+
+
+def print_tables(sweep: list, repeat: int, fleet: bool, per_replica: bool) -> None:
+    """Each finished setting's table: ((capacity, router), ensemble) pairs."""
+    from penelope.sim.fleet_report import fleet_table
+
+    for (capacity, _), ensemble in sweep:
+        print()
+        if repeat > 1:
+            from penelope.sim.ensemble_report import ensemble_tables
+
+            print(ensemble_tables(capacity, ensemble))
+        else:
+            print(results_table(capacity, ensemble.runs[0], ensemble.config))
+        if fleet:
+            print(fleet_table(ensemble, per_replica))
 
 
 def check_tier_policies(policies: list[str], cpu_cache: str) -> None:
