@@ -95,16 +95,22 @@ def check_ab(data: dict) -> None:
     configs, runs, estimates = data["configs"], data["runs"], data["estimates"]
     if not isinstance(configs, list):
         raise UsageError(f"ab.json's configs is {type(configs).__name__}: expected a list of configurations")
+    names = set()
     for i, entry in enumerate(configs):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
                 or not isinstance(entry.get("applied") or {}, dict):
             raise UsageError(f"ab.json's configs[{i}] is {entry!r}: expected an object with a name")
+        if entry["name"] in names:
+            raise UsageError(f"ab.json's configs[{i}] repeats the configuration {entry['name']!r}")
+        names.add(entry["name"])
     if not isinstance(runs, list):
         raise UsageError(f"ab.json's runs is {type(runs).__name__}: expected a list of runs")
     for i, run in enumerate(runs):
         if not (isinstance(run, dict) and isinstance(run.get("config"), str) and isinstance(run.get("round"), int)
-                and not isinstance(run.get("round"), bool) and _number(run.get("ttft_mean"))):
-            raise UsageError(f"ab.json's runs[{i}] is not a run (an object with config, round and ttft_mean)")
+                and not isinstance(run.get("round"), bool) and _number(run.get("ttft_mean"))
+                and math.isfinite(run["ttft_mean"]) and run["ttft_mean"] > 0):
+            raise UsageError(f"ab.json's runs[{i}] is not a run (an object with config, round and a positive "
+                             "ttft_mean)")
     if not isinstance(estimates, dict) or not all(isinstance(e, dict) for e in estimates.values()):
         raise UsageError("ab.json's estimates: expected an object of estimates per configuration")
 
@@ -263,6 +269,10 @@ def compare(ab: dict, calibration: str, model: str | None, trace: str | None) ->
     time_model = TimeModel.from_json(calibration, shape)
     source = str(json.loads(Path(calibration).read_text()).get("source", ""))
     workload, scale = load_workload(ab, trace)
+    sent = ab["workload"].get("requests")
+    if isinstance(sent, int) and not isinstance(sent, bool) and workload.num_requests != sent:
+        raise UsageError(f"the trace gives {workload.num_requests:,} requests, the servers got {sent:,} "
+                         "(ab.json's workload.requests): give the trace files the servers read")
     config = SimConfig(gpu_cache=pool, block_size=page, page_size=page, chunk_size=chunk, sessions=sessions,
                        scheduler=SCHEDULER, prime=prime)
     cost = CostModel(shape)
@@ -271,8 +281,11 @@ def compare(ab: dict, calibration: str, model: str | None, trace: str | None) ->
     simulated = {}
     for entry in ab["configs"]:
         name = entry["name"]
-        if name.partition(":")[0] in UNSIMULATED or name not in ab["estimates"]:
-            left_out.append(name)
+        if name.partition(":")[0] in UNSIMULATED:
+            left_out.append(f"{name} (no simulated counterpart)")
+            continue
+        if name not in ab["estimates"]:
+            left_out.append(f"{name} (no estimates in ab.json)")
             continue
         policy = sim_policy(name, entry, setup)
         result = run_policy(workload, policy, config, time_model, cost)

@@ -175,6 +175,9 @@ def test_a_missing_ab_json_or_calibration_is_one_line(tmp_path, capsys):
     (lambda d: d["estimates"]["penelope"]["ttft_mean"].update(low="a"), "ab.json's estimates.penelope.ttft_mean"),
     (lambda d: d["workload"].update(loader="weka", trace=7), "the trace of ab.json (7) is not here"),
     (lambda d: d["workload"].update(turns=0), "ab.json's workload.turns is 0"),
+    (lambda d: d["workload"].update(requests=5), "the trace gives 12 requests, the servers got 5"),
+    (lambda d: d["configs"].append({"name": "penelope"}), "repeats the configuration 'penelope'"),
+    (lambda d: d["runs"][0].update(ttft_mean=0), "ab.json's runs[0] is not a run"),
 ])
 def test_a_malformed_ab_json_is_one_line(tmp_path, capsys, change, message):
     path, calibration = broken(tmp_path, change)
