@@ -109,7 +109,7 @@ def ablation_table(sweep: list[tuple[int, dict]]) -> str:
     return "\n".join(lines)
 
 
-SGLANG_POLICIES = {"leaf-tail-node": "LRU (default)", "sglang-lfu": "LFU", "sglang-slru": "SLRU",
+SGLANG_POLICIES = {"leaf-tail-node": "LRU (sglang)", "sglang-lfu": "LFU", "sglang-slru": "SLRU",
                    "sglang-tlru": "T-LRU", "sglang-session": "session cache"}
 
 

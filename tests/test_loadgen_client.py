@@ -91,6 +91,34 @@ def test_a_silent_server_times_out():
     assert out.status == "timeout"
 
 
+def test_a_server_that_is_not_sglang_is_one_line():
+    """An HTTP server answering 404 to every path (another service on the port) is named as such,
+    not asked for a vocabulary."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for api, vocab in ((GENERATE, None), (GENERATE, 10), (OPENAI, 10)):
+            with pytest.raises(UsageError, match="answers none of /server_info, /model_info.*not an SGLang server"):
+                probe_server(url, api, vocab=vocab)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_an_unreachable_server_or_a_wrong_api_is_one_line():
     with StubServer(apis=(OPENAI,)) as stub:
         url = stub.url

@@ -133,8 +133,14 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
         info = await _get_json(http, url + "/server_info") or {}
         model_info = await _get_json(http, url + "/model_info") or {}
         models = await _get_json(http, url + "/v1/models") if api == OPENAI else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+    except asyncio.TimeoutError:
+        raise UsageError(f"cannot reach the server at {url}: no answer within {PROBE_TIMEOUT:g} s") from None
+    except (aiohttp.ClientError, OSError) as err:
         raise UsageError(f"cannot reach the server at {url}: {error_text(err)}") from None
+    if not info and not model_info and not models:
+        asked = "/server_info, /model_info" + (" and /v1/models" if api == OPENAI else "")
+        raise UsageError(f"{url} answers none of {asked}: not an SGLang server"
+                         + (" or an OpenAI-compatible one" if api == OPENAI else ""))
     listed = (models or {}).get("data") or [{}]
     model = model_info.get("served_model_name") or listed[0].get("id")
     vocab = vocab if vocab is not None else _vocab_of(model_info.get("model_path") or info.get("model_path"))
