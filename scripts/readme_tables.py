@@ -148,19 +148,49 @@ def ensemble_note(config: dict) -> str:
     return text + f", seed {ensemble['seed']}; 95% intervals over runs, changes paired run by run"
 
 
+# What each WEKA results file's label says of its configuration: (path in the config, value).
+WEKA_SETTINGS = {
+    "gpu_sweep": (("model", "qwen3-8b"), ("cpu_cache", 0), ("scheduler", "lpm")),
+    "ablation": (("model", "qwen3-8b"), ("cpu_cache", 0)),
+    "fcfs": (("scheduler", "fcfs"), ("cpu_cache", 0)),
+    "tool_waits": (("workload.think_time.mode", "tool"), ("workload.think_time.cap", 60.0), ("cpu_cache", 0)),
+    "gemma3": (("model", "gemma-3-27b"), ("cpu_cache", 0)),
+    "qwen3_32b": (("model", "qwen3-32b"), ("cpu_cache", 0)),
+    "triton_kernel": (("time_model.phantom_kernel", "triton"), ("cpu_cache", 0)),
+    "two_tier_equal": (("cpu_cache", 128 * 1024),),
+    "two_tier_4x": (("cpu_cache", 512 * 1024),),
+}
+
+
+def check_setting(name: str, config: dict) -> None:
+    """TableError unless `config` (a WEKA results file's) is what the row's label says."""
+    for path, expected in WEKA_SETTINGS[name]:
+        value = config
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value != expected:
+            raise TableError(f"{name}.json: {path} is {value!r}, its table row says {expected!r}")
+
+
+def weka_file(folder: Path, name: str) -> tuple[dict, list[tuple[int, dict]]]:
+    config, sweep = load(folder / f"{name}.json")
+    check_setting(name, config)
+    return config, sweep
+
+
 def weka(folder: Path) -> None:
     rows = []
-    config, sweep = load(folder / "gpu_sweep.json")
+    config, sweep = weka_file(folder, "gpu_sweep")
     for capacity, results in sweep:
         setting = f"GPU {format_size(capacity)}" + (" (the paper's setting)" if capacity == 256 * 1024 else "")
         rows.append(main_row(setting, results))
     for name, label in (("fcfs", "FCFS, GPU {}"), ("tool_waits", "tool waits only, capped at 60 s, GPU {}"),
                         ("gemma3", "gemma-3-27b (sliding window), GPU {}"), ("qwen3_32b", "Qwen3-32B, GPU {}"),
                         ("triton_kernel", "phantom batches on the Triton kernel, GPU {}")):
-        for capacity, results in load(folder / f"{name}.json")[1]:
+        for capacity, results in weka_file(folder, name)[1]:
             rows.append(main_row(label.format(format_size(capacity)), results))
     for name, cpu in (("two_tier_equal", "128K"), ("two_tier_4x", "512K")):
-        for capacity, results in load(folder / f"{name}.json")[1]:
+        for capacity, results in weka_file(folder, name)[1]:
             setting = f"two tiers, GPU {format_size(capacity)} + CPU {cpu} (vs HiCache-like)"
             rows.append(main_row(setting, results))
     print(f"Main table ({ensemble_note(config)}):\n")
@@ -168,7 +198,7 @@ def weka(folder: Path) -> None:
     print("\nAgainst each of SGLang's own policies (GPU only), same ensembles; hit rate mean ±half-width, "
           "mean TTFT over the runs; Penelope's change paired run by run:\n")
     print(sglang_policies_table(sweep))
-    ablation_config, ablation = load(folder / "ablation.json")
+    ablation_config, ablation = weka_file(folder, "ablation")
     print(f"\nAblation grid, changes against SGLang ({ensemble_note(ablation_config)}):\n")
     print(ablation_table(ablation))
     print("\nHead to head, leaf-head-block against Penelope (private-head-block), paired run by run:\n")

@@ -77,3 +77,14 @@ def test_missing_or_foreign_results_are_one_line_naming_the_script_that_writes_t
     assert "scripts/weka_results.sh writes the results" in lines[0]
     assert "are not what scripts/weka_results.sh writes" in lines[1]
     assert "simulate.json: not JSON" in lines[2] and "penelope reproduce" in lines[2]
+
+
+def test_a_results_file_whose_configuration_is_not_its_rows_label_is_refused():
+    tables.check_setting("two_tier_equal", {"cpu_cache": 128 * 1024})
+    tables.check_setting("triton_kernel", {"cpu_cache": 0, "time_model": {"phantom_kernel": "triton"}})
+    with pytest.raises(tables.TableError, match="two_tier_equal.json: cpu_cache is 0, its table row says 131072"):
+        tables.check_setting("two_tier_equal", {"cpu_cache": 0})
+    with pytest.raises(tables.TableError, match="time_model.phantom_kernel is 'fa3'"):
+        tables.check_setting("triton_kernel", {"cpu_cache": 0, "time_model": {"phantom_kernel": "fa3"}})
+    with pytest.raises(tables.TableError, match="gemma3.json: model is 'qwen3-8b'"):
+        tables.check_setting("gemma3", {"model": "qwen3-8b", "cpu_cache": 0})
