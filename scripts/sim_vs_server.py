@@ -374,8 +374,15 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad option is one line on stderr, exit 2, as every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"sim_vs_server: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ab", type=Path, default=DEFAULT_AB, help=f"penelope ab's ab.json (default {DEFAULT_AB})")
     parser.add_argument("--calibration", required=True, metavar="FILE", help="the server's calibration JSON")
     parser.add_argument("--model", help="the served model's config.json or folder (default: ab.json's setup.model)")

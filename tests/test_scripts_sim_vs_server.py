@@ -283,3 +283,10 @@ def test_trace_files_moved_away_are_found_in_the_shared_traces(tmp_path, monkeyp
     workload["loader"]["sources"].append(str(tmp_path / "gone" / "trace_9999.json"))
     with pytest.raises(script.UsageError, match="give --trace"):
         script.trace_of(workload, None)
+
+
+def test_a_bad_option_is_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--calibrate", "x"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.startswith("sim_vs_server: ") and len(err.splitlines()) == 1, err
