@@ -35,7 +35,7 @@ STUB = Path(__file__).resolve().parents[1] / "tests" / "engine_stub"
 SCENARIOS = {
     # name: (traffic, small-pool setup, extra environment)
     "chunk 128 < holes": (AgentTraffic(), EngineSetup(pool_tokens=2048, chunk=128), {}),
-    "riders (chunk 2048)": (AgentTraffic(), EngineSetup(pool_tokens=2048, chunk=2048), {}),
+    "phantoms (chunk 2048)": (AgentTraffic(), EngineSetup(pool_tokens=2048, chunk=2048), {}),
     "2 rows, chunk 1024": (AgentTraffic(), EngineSetup(pool_tokens=2048, chunk=1024, rows=2), {}),
     "no chunking, 2 rows": (AgentTraffic(), EngineSetup(pool_tokens=2048, chunk=-1, rows=2), {}),
     "page 1, chunk 128": (AgentTraffic(), EngineSetup(pool_tokens=2048, page_size=1, chunk=128), {}),

@@ -17,7 +17,7 @@ or held. Last, a reference server (SGLang's own ``torch_native`` attention, no r
 prompt computed whole) replays every completed request: the reply ids must be identical.
 
 Pool: ``--pool`` tokens in pages of 16, chunks of ``--chunk`` (smaller than most holes, so holes
-are refilled over several chunks as well as by riders), context 4,096, histories up to 3,072.
+are refilled over several chunks as well as by phantoms), context 4,096, histories up to 3,072.
 Exit status 0 when every check held, 1 otherwise (the table says which), 2 on bad arguments; Ctrl-C
 or SIGTERM stops the servers, prints and writes what finished (``interrupted`` in soak.json) and
 exits 130 or 143.

@@ -107,7 +107,7 @@ class Serving:
             req.init_next_round_input(self.cache)
             assert self.cache.load_for(req), "the GPU cannot take the request's CPU spans"
             self.cache.plan_admission(req, chunk, rows)
-            rows -= 1 + len(self.cache.rider_holes(req))
+            rows -= 1 + len(self.cache.phantom_holes(req))
             req.extend_end = len(req.full_untruncated_fill_ids)
             req.lock = self.cache.lock(req.last_node)
             reqs.append(req)

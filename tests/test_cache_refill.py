@@ -16,18 +16,18 @@ def test_no_holes_changes_nothing():
 
 def test_holes_ride_when_they_and_a_page_of_new_tokens_fit_and_rows_suffice():
     plan = plan_refill(HOLES, 512, 65, 256, 3, 64)
-    assert plan.riders == tuple(HOLES) and plan.compute_from == 512 and not plan.hole_first
-    assert plan.rider_tokens == 192
+    assert plan.phantoms == tuple(HOLES) and plan.compute_from == 512 and not plan.hole_first
+    assert plan.phantom_tokens == 192
     # SGLang charges the request's own tokens in whole pages, one token included.
-    assert plan_refill(HOLES, 512, 1, 256, 3, 64).riders == tuple(HOLES)
+    assert plan_refill(HOLES, 512, 1, 256, 3, 64).phantoms == tuple(HOLES)
     assert plan_refill(HOLES, 512, 1, 255, 3, 64).hole_first
-    assert plan_refill(HOLES, 512, 1, 193, 3, 1).riders == tuple(HOLES)
+    assert plan_refill(HOLES, 512, 1, 193, 3, 1).phantoms == tuple(HOLES)
 
 
 @pytest.mark.parametrize(("budget", "rows"), [(255, 3), (10_000, 2), (10_000, 1)])
 def test_short_budget_or_rows_computes_the_holes_first(budget, rows):
     plan = plan_refill(HOLES, 512, 65, budget, rows, 64)
-    assert plan.riders == () and plan.compute_from == 128 and plan.first_chunk_end == 256
+    assert plan.phantoms == () and plan.compute_from == 128 and plan.first_chunk_end == 256
     assert plan.spans == ((128, 256, False), (256, 384, True), (384, 448, False), (448, 512, True))
 
 
@@ -56,13 +56,13 @@ def test_bad_plans_are_refused():
 
 
 def computed_positions(holes, compute_from, total, budget, rows, page):
-    """Slow model of a scheduler serving one request under `plan_refill`: riders compute their
+    """Slow model of a scheduler serving one request under `plan_refill`: phantoms compute their
     holes in the first step; the request computes chunks of at most `budget` page-aligned tokens
-    (only the first step's budget is reduced by riders), each stopping where `next_chunk` says."""
+    (only the first step's budget is reduced by phantoms), each stopping where `next_chunk` says."""
     plan = plan_refill(holes, compute_from, total - compute_from, budget, rows, page)
-    done = [p for a, b in plan.riders for p in range(a, b)]
+    done = [p for a, b in plan.phantoms for p in range(a, b)]
     position, cap, steps = plan.compute_from, plan.first_chunk_end, 0
-    first_budget = None if budget is None else budget - plan.rider_tokens
+    first_budget = None if budget is None else budget - plan.phantom_tokens
     while position < total:
         room = (first_budget if steps == 0 else budget)
         room = total - position if room is None else room // page * page
@@ -112,11 +112,11 @@ def test_exactly_the_holes_and_the_new_tokens_are_computed(request):
     assert len(set(done)) == len(done)
 
 
-def test_without_riders_holes_are_computed_first_or_dropped():
+def test_without_phantoms_holes_are_computed_first_or_dropped():
     """Where the attention backend reads a batch's prefix before storing it, no phantom rides."""
-    plan = plan_refill(HOLES, 512, 65, 10_000, 3, 64, riders=False)
-    assert plan.riders == () and plan.hole_first and plan.compute_from == 128
-    assert plan_refill(HOLES, 512, 65, None, 3, 64, riders=False) == RefillPlan((), 128)
+    plan = plan_refill(HOLES, 512, 65, 10_000, 3, 64, phantoms=False)
+    assert plan.phantoms == () and plan.hole_first and plan.compute_from == 128
+    assert plan_refill(HOLES, 512, 65, None, 3, 64, phantoms=False) == RefillPlan((), 128)
 
 
 def test_the_jumped_resident_tokens_of_a_hole_first_plan():
@@ -125,10 +125,10 @@ def test_the_jumped_resident_tokens_of_a_hole_first_plan():
     assert plan_refill(HOLES, 512, 65, 10_000, 3, 64).jumped_tokens == 0
 
 
-def test_aligned_chunks_need_an_alignment_unit_of_own_tokens_beside_riders():
+def test_aligned_chunks_need_an_alignment_unit_of_own_tokens_beside_phantoms():
     """A scheduler that cuts chunks at multiples of 4096 (deterministic mode) computes none of the
-    request's own tokens beside riders that leave less than 4096 of the budget: riders only when
+    request's own tokens beside phantoms that leave less than 4096 of the budget: phantoms only when
     the request's whole extend fits beside them, or a whole unit of it does."""
-    assert plan_refill(HOLES, 512, 65, 4096, 3, 64, own_chunk=4096).riders == tuple(HOLES)
+    assert plan_refill(HOLES, 512, 65, 4096, 3, 64, own_chunk=4096).phantoms == tuple(HOLES)
     assert plan_refill(HOLES, 512, 5000, 4096, 3, 64, own_chunk=4096).hole_first
-    assert plan_refill(HOLES, 512, 5000, 4096 + 192, 3, 64, own_chunk=4096).riders == tuple(HOLES)
+    assert plan_refill(HOLES, 512, 5000, 4096 + 192, 3, 64, own_chunk=4096).phantoms == tuple(HOLES)

@@ -311,7 +311,7 @@ def test_verify_on_cpu_keeps_fp32(monkeypatch):
 
 def test_the_gpu_smoke_script_runs_the_projects_venv_over_every_configuration(tmp_path):
     """``smoke_gpu.sh --dry-run`` prints its commands (it has not run on a GPU here): the venv's
-    python, bf16 on CUDA, riders (chunk 4096) on FA3 (SGLang's default on Hopper), trtllm_mha and
+    python, bf16 on CUDA, phantoms (chunk 4096) on FA3 (SGLang's default on Hopper), trtllm_mha and
     Triton, with and without deterministic inference, the hole-first chunks, the CPU tier and
     SGLang's Triton kernel; every command passes the CLI's own option checks."""
     import shlex
@@ -330,8 +330,8 @@ def test_the_gpu_smoke_script_runs_the_projects_venv_over_every_configuration(tm
                          timeout=60)
     assert run.returncode == 0, run.stderr
     commands = dict(line.split(": ", 1) for line in run.stdout.strip().splitlines())
-    assert list(commands) == ["fa3-chunk256-det", "fa3-riders-det", "fa3-riders", "fa3-two-tiers", "trtllm-riders",
-                              "triton-riders-det", "triton-riders", "triton-sglang-det"]
+    assert list(commands) == ["fa3-chunk256-det", "fa3-phantoms-det", "fa3-phantoms", "fa3-two-tiers",
+                              "trtllm-phantoms", "triton-phantoms-det", "triton-phantoms", "triton-sglang-det"]
     configs = {}
     for name, command in commands.items():
         words = shlex.split(command)
@@ -344,8 +344,8 @@ def test_the_gpu_smoke_script_runs_the_projects_venv_over_every_configuration(tm
         assert engine_precision(args.device, extra, args.atol)[0] == "bfloat16"
         configs[name] = (extra.get("attention_backend"), args.chunk, bool(extra.get("enable_deterministic_inference")),
                          args.cpu_cache, words[at - 3])
-    riders = {(backend, det) for backend, chunk, det, cpu, _ in configs.values() if chunk == 4096}
-    assert {(None, True), (None, False), ("trtllm_mha", False), ("triton", True), ("triton", False)} <= riders
+    phantoms = {(backend, det) for backend, chunk, det, cpu, _ in configs.values() if chunk == 4096}
+    assert {(None, True), (None, False), ("trtllm_mha", False), ("triton", True), ("triton", False)} <= phantoms
     assert configs["fa3-chunk256-det"][1] == 256 and configs["fa3-two-tiers"][3] > 0
     assert configs["triton-sglang-det"][4] == "PENELOPE_ATTENTION=sglang"
     assert {attention for *_, attention in configs.values()} == {"PENELOPE_ATTENTION=ragged",

@@ -1,7 +1,7 @@
 """Admission never stalls: SGLang 0.5.23's real PrefillAdder with every Penelope hook applied, on
 SGLang's real CPU pools, over random cache states (a history whose front or middle was evicted
 while other histories fill the pool), chunk sizes, ``max_prefill_tokens``, chunk alignment,
-backends with and without riders, and phantoms on or off.
+backends with and without phantoms, and phantoms on or off.
 
 A stand-in for the scheduler's loop drives the steps (``step``: continue the chunked request,
 then offer the waiting one, then the batch's forward and result processing, as

@@ -184,7 +184,7 @@ def test_no_request_row_for_a_phantom_drops_the_hole_without_chunked_prefill():
     # Two free rows: the first request takes one, the holed one the other, none is left for its
     # phantom: it computes from its hole on (chunked prefill off, so it cannot go hole-first).
     other, req = serving.admit([system + [5], a + [9]])
-    assert serving.cache.rider_holes(req) == [] and req.prefix_len == 128
+    assert serving.cache.phantom_holes(req) == [] and req.prefix_len == 128
     batch = serving.build_batch([other, req])
     assert len(batch.reqs) == 2
     serving.forward(batch)

@@ -87,22 +87,22 @@ def test_chunks_smaller_than_holes_and_an_abort_mid_prefill(model, reference):
 
 
 @pytest.fixture(scope="module")
-def riders(model) -> dict:
+def phantoms(model) -> dict:
     """GPU only, chunks as large as the pool."""
     return run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=2048), engine_env())
 
 
-def test_phantoms_ride_in_the_requests_batch(riders, reference):
+def test_phantoms_ride_in_the_requests_batch(phantoms, reference):
     """With chunks as large as the pool, every hole is refilled by a phantom in its request's
     batch, on SGLang's own torch attention backend."""
-    counters = check_against(riders, reference)
-    assert counters["phantoms"] > 0 and counters["phantom_tokens"] == counters["rider_tokens"] > 0
+    counters = check_against(phantoms, reference)
+    assert counters["phantoms"] > 0 and counters["phantom_tokens"] == counters["phantom_tokens"] > 0
 
 
-def test_a_backend_that_reads_the_prefix_before_storing_gets_no_riders(model):
+def test_a_backend_that_reads_the_prefix_before_storing_gets_no_phantoms(model):
     """On FlashInfer's order (the cached prefix read from the pool, then the batch's K/V stored),
-    a rider's hole would be read before the rider writes it. The plugin refills holes hole-first
-    there, also where riders would fit the chunk: tokens identical to the never-evicting run."""
+    a phantom's hole would be read before the phantom writes it. The plugin refills holes hole-first
+    there, also where phantoms would fit the chunk: tokens identical to the never-evicting run."""
     flashinfer = {"attention_backend": "flashinfer"}
     # No flashinfer package on CPU: its version check would refuse the name.
     env = engine_env(READ_BEFORE_STORE, SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK="1")
@@ -126,7 +126,7 @@ def check_cached_tokens(run: dict) -> None:
 
 
 @pytest.mark.parametrize(("chunk", "options"), [(128, {}), (2048, {}), (128, {"PENELOPE_PHANTOMS": "0"})],
-                         ids=["hole-first", "riders", "no-phantoms"])
+                         ids=["hole-first", "phantoms", "no-phantoms"])
 def test_a_front_hole_before_a_long_resident_tail_is_served(model, chunk, options):
     """The request's next turn is admitted in a nearly full pool: SGLang charged a hole-first
     request its whole prompt from the hole (the locked tail included), and without phantoms the
@@ -175,7 +175,7 @@ def test_a_long_history_with_a_hole_of_several_chunks(tmp_path_factory):
           f"served in {run['serve_s']:.0f} s")
 
 
-def test_two_tiers(model, reference, riders):
+def test_two_tiers(model, reference, phantoms):
     """A CPU tier of 1024 tokens beside the 2048-token pool: demotions instead of deletions, loads
     at admission (through the swap buffer when both tiers are full) in the same step as phantoms
     for what neither tier holds; fewer tokens recomputed than without the tier."""
@@ -183,7 +183,7 @@ def test_two_tiers(model, reference, riders):
     counters = check_against(run, reference)
     assert counters["host_tokens"] == 1024 and counters["tier_demotions"] > 0
     assert counters["tier_loads"] > 0 and counters["tier_swap_loads"] > 0 and counters["phantom_tokens"] > 0
-    assert counters["prefill_tokens"] < riders["counters"]["prefill_tokens"]
+    assert counters["prefill_tokens"] < phantoms["counters"]["prefill_tokens"]
 
 
 def test_two_tiers_with_hole_chunks_and_the_swap_copy_kernel(model, reference):
@@ -292,9 +292,9 @@ def test_default_cache_on_the_same_traffic(model, reference):
     assert "evicted_tokens" not in counters
 
 
-def test_rows_taken_by_riders_make_a_request_wait(model):
-    """Two request rows: a request with a hole (one rider) and a fresh request in one call. The
-    rider takes the row SGLang counted for the fresh request, which waits a step (this crashed
+def test_rows_taken_by_phantoms_make_a_request_wait(model):
+    """Two request rows: a request with a hole (one phantom) and a fresh request in one call. The
+    phantom takes the row SGLang counted for the fresh request, which waits a step (this crashed
     SGLang's allocator before)."""
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "engine_rows_probe.py"), model],
                          env={**os.environ, **engine_env(SGLANG_USE_CPU_ENGINE="1")}, capture_output=True,

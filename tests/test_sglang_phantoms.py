@@ -112,7 +112,7 @@ def test_without_phantoms_the_lock_leaves_the_recomputed_tail_evictable(budget_h
 
 def test_an_aligned_scheduler_still_cuts_a_hole_first_chunk_at_the_hole(budget_hooks):
     """Deterministic inference on FlashInfer aligns chunks to 4096 tokens (truncation_align_size)
-    and gets no riders: a first chunk capped at a 384-token hole's end was rounded down to nothing
+    and gets no phantoms: a first chunk capped at a 384-token hole's end was rounded down to nothing
     and refused at every step."""
     serving, tokens = nearly_full(backend="flashinfer")
     adder = new_adder(serving, chunk=4096)
@@ -122,18 +122,18 @@ def test_an_aligned_scheduler_still_cuts_a_hole_first_chunk_at_the_hole(budget_h
     serving.cache.check_invariants()
 
 
-def test_no_riders_on_a_backend_that_reads_the_prefix_before_storing(holed):
+def test_no_phantoms_on_a_backend_that_reads_the_prefix_before_storing(holed):
     """FlashInfer reads a batch's cached prefix before it stores the batch's K/V: its holes are
-    refilled hole-first even where riders fit; asking for riders there is refused in one line."""
+    refilled hole-first even where phantoms fit; asking for phantoms there is refused in one line."""
     serving = Serving(size=64 * 40, page_size=64, backend="flashinfer")
-    assert not serving.cache.riders
-    with pytest.raises(UsageError, match="refill 'riders' is unsafe here: the flashinfer attention backend"):
-        Serving(size=64 * 40, page_size=64, backend="flashinfer", refill="riders")
-    assert Serving(size=64 * 40, page_size=64, backend="fa3", refill="riders").cache.riders
-    assert not Serving(size=64 * 40, page_size=64, backend="fa3", refill="hole-first").cache.riders
+    assert not serving.cache.phantom_refill
+    with pytest.raises(UsageError, match="refill 'phantoms' is unsafe here: the flashinfer attention backend"):
+        Serving(size=64 * 40, page_size=64, backend="flashinfer", refill="phantoms")
+    assert Serving(size=64 * 40, page_size=64, backend="fa3", refill="phantoms").cache.phantom_refill
+    assert not Serving(size=64 * 40, page_size=64, backend="fa3", refill="hole-first").cache.phantom_refill
 
 
-def test_riders_are_charged_to_the_budgets(holed, budget_hooks):
+def test_phantoms_are_charged_to_the_budgets(holed, budget_hooks):
     serving, tokens = holed
     plain = new_adder(serving)
     plain_req = serving.new_request(tokens)
@@ -142,7 +142,7 @@ def test_riders_are_charged_to_the_budgets(holed, budget_hooks):
     serving.cache.unlock(plain_req.lock)
     adder = new_adder(serving)
     req, result = admit(serving, adder, tokens)
-    assert result == AddReqResult.CONTINUE and serving.cache.rider_holes(req) == [(128, 256)]
+    assert result == AddReqResult.CONTINUE and serving.cache.phantom_holes(req) == [(128, 256)]
     assert req.prefix_len == 512 and req.extend_end == len(tokens)
     # The hole is computed in this step: a new token, neither a cache hit nor a replayed token.
     assert plain.log_hit_tokens - adder.log_hit_tokens == 128
@@ -152,7 +152,7 @@ def test_riders_are_charged_to_the_budgets(holed, budget_hooks):
     assert plain.rem_chunk_tokens - adder.rem_chunk_tokens == 128
     assert plain.rem_input_tokens - adder.rem_input_tokens == 128
     assert adder.memory_budget.total_offset - plain.memory_budget.total_offset == 128
-    assert getattr(adder, hooks._RIDER_ROWS) == 1 and hooks.free_rows_for(adder) == 16 - 2
+    assert getattr(adder, hooks._PHANTOM_ROWS) == 1 and hooks.free_rows_for(adder) == 16 - 2
     batch = serving.build_batch(adder.can_run_list)
     serving.forward(batch)
     serving.check_row(req)
@@ -166,7 +166,7 @@ def test_a_hole_larger_than_the_chunk_is_computed_hole_first_then_jumped_past(ho
     adder = new_adder(serving, chunk=128)
     req, _ = admit(serving, adder, tokens)
     # Hole [128, 256) and a page of new tokens do not fit 128: the request computes its hole.
-    assert serving.cache.rider_holes(req) == []
+    assert serving.cache.phantom_holes(req) == []
     assert (req.prefix_len, req.extend_end) == (128, 256) and adder.new_chunked_req is req
     assert adder.rem_chunk_tokens == 0
     batch = serving.build_batch(adder.can_run_list)
@@ -203,7 +203,7 @@ def test_budget_left_beside_a_continuing_chunk_admits_only_whole_requests(holed,
 def test_a_phantom_is_created_finished_and_sglang_filters_it(holed):
     serving, tokens = holed
     [req] = serving.admit([tokens])
-    [phantom] = [hooks.make_phantom(req, start, end) for start, end in serving.cache.rider_holes(req)]
+    [phantom] = [hooks.make_phantom(req, start, end) for start, end in serving.cache.phantom_holes(req)]
     assert hooks.is_phantom(phantom) and not hooks.is_phantom(req) and phantom.finished()
     assert list(phantom.full_untruncated_fill_ids) == tokens[:256]
     assert (phantom.prefix_len, phantom.extend_end, phantom.extend_len) == (128, 256, 128)
@@ -258,7 +258,7 @@ def test_result_processing_frees_only_the_phantoms_rows_and_counts_them(holed):
     serving.check_row(req)
 
 
-def test_a_request_gets_no_row_its_predecessors_riders_took(budget_hooks):
+def test_a_request_gets_no_row_its_predecessors_phantoms_took(budget_hooks):
     serving = Serving(size=64 * 40, page_size=64, rows=2)
     system = blocks(1000, 2)
     a = system + blocks(1, 6)
@@ -267,7 +267,7 @@ def test_a_request_gets_no_row_its_predecessors_riders_took(budget_hooks):
     serving.cache.evict(EvictParams(num_tokens=128))
     adder = new_adder(serving)
     holed, result = admit(serving, adder, a + [9])
-    assert result == AddReqResult.CONTINUE and serving.cache.rider_holes(holed) == [(128, 256)]
+    assert result == AddReqResult.CONTINUE and serving.cache.phantom_holes(holed) == [(128, 256)]
     other, result = admit(serving, adder, system + [5])
     assert result == AddReqResult.OTHER and adder.can_run_list == [holed]
     batch = serving.build_batch(adder.can_run_list)
@@ -277,9 +277,9 @@ def test_a_request_gets_no_row_its_predecessors_riders_took(budget_hooks):
     assert serving.accounting()[0] == serving.total
 
 
-def test_the_prefix_aware_cpu_backend_takes_riders():
+def test_the_prefix_aware_cpu_backend_takes_phantoms():
     """It stores the batch's K/V before it reads any prefix, as torch_native does."""
-    assert Serving(size=64 * 40, page_size=64, backend="torch_native_prefix", refill="riders").cache.riders
+    assert Serving(size=64 * 40, page_size=64, backend="torch_native_prefix", refill="phantoms").cache.phantom_refill
 
 
 class _CountedReads(torch.Tensor):
@@ -295,7 +295,7 @@ class _CountedReads(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def test_a_batch_of_riders_reads_its_rows_back_once(budget_hooks):
+def test_a_batch_of_phantoms_reads_its_rows_back_once(budget_hooks):
     """Two requests with a hole each (sessions A and C lost their fronts): linking their phantoms'
     slots reads the table back to the host once for the whole batch."""
     serving = Serving(size=64 * 60, page_size=64)
@@ -309,17 +309,17 @@ def test_a_batch_of_riders_reads_its_rows_back_once(budget_hooks):
     serving.cache.evict(EvictParams(num_tokens=128))
     adder = new_adder(serving)
     reqs = [admit(serving, adder, tokens + blocks(9000, 1) + [9])[0] for tokens in (a, c)]
-    assert [serving.cache.rider_holes(r) for r in reqs] == [[(128, 256)], [(128, 256)]]
+    assert [serving.cache.phantom_holes(r) for r in reqs] == [[(128, 256)], [(128, 256)]]
     serving.req_pool.req_to_token = serving.req_pool.req_to_token.as_subclass(_CountedReads)
-    link = serving.cache.link_riders
+    link = serving.cache.link_phantoms
     counted = []
 
-    def counting(riders, *write_slots):
+    def counting(phantoms, *write_slots):
         _CountedReads.reads = 0
-        link(riders, *write_slots)
+        link(phantoms, *write_slots)
         counted.append(_CountedReads.reads)
 
-    serving.cache.link_riders = counting
+    serving.cache.link_phantoms = counting
     batch = serving.build_batch(adder.can_run_list)
     assert counted == [1] and len(batch.reqs) == 4
     serving.req_pool.req_to_token = serving.req_pool.req_to_token.as_subclass(torch.Tensor)
@@ -331,7 +331,7 @@ def test_a_batch_of_riders_reads_its_rows_back_once(budget_hooks):
     serving.cache.check_invariants()
 
 
-def test_a_hole_two_riders_refill_in_one_batch_is_written_into_the_trees_slots(holed, budget_hooks):
+def test_a_hole_two_phantoms_refill_in_one_batch_is_written_into_the_trees_slots(holed, budget_hooks):
     """Two turns of the same history in one batch, both missing [128, 256): the first phantom's
     slots go to the tree, the second phantom's are freed, so it must write the tree's slots too;
     writing its own freed slots, it could overwrite KV that a token of the same forward was given."""
@@ -339,7 +339,7 @@ def test_a_hole_two_riders_refill_in_one_batch_is_written_into_the_trees_slots(h
     adder = new_adder(serving)
     first, _ = admit(serving, adder, tokens)
     second, _ = admit(serving, adder, tokens[:-1] + [11])
-    assert serving.cache.rider_holes(first) == serving.cache.rider_holes(second) == [(128, 256)]
+    assert serving.cache.phantom_holes(first) == serving.cache.phantom_holes(second) == [(128, 256)]
     batch = serving.build_batch(adder.can_run_list)
     written = set(batch.out_cache_loc.tolist())
     # Every slot still free after linking: none of them may be written by this forward.

@@ -128,11 +128,11 @@ def test_holes_larger_than_the_chunk_are_refilled_hole_first():
     job = make_job([1, 2, 3, 4, 5, 6], 6 * B + 4)
     scheduler.submit(job)
     [chunk] = scheduler.form_prefill()
-    # The hole does not fit the chunk beside a page of new tokens: no riders, the request computes
+    # The hole does not fit the chunk beside a page of new tokens: no phantoms, the request computes
     # the hole itself, a chunk at a time, then jumps the resident [2B, 5B).
-    assert job.plan.hole_first and chunk.riders == ()
+    assert job.plan.hole_first and chunk.phantoms == ()
     assert chunk.segments == ((0, B),) and not chunk.last
-    assert chunk.chunk_refill_tokens == B and chunk.rider_tokens == 0
+    assert chunk.chunk_refill_tokens == B and chunk.phantom_tokens == 0
     assert job.recomputed[: len(holes)] == holes
     [rest] = scheduler.form_prefill()
     assert rest.segments == ((B, 2 * B),) and rest.chunk_refill_tokens == B

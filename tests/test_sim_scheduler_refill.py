@@ -1,5 +1,5 @@
 """The simulator's scheduler as the SGLang plugin runs: holes refilled by `penelope.cache.refill`'s
-rule (riders or hole-first chunks), prefill batches under SGLang's chunk and `max_prefill_tokens`
+rule (phantoms or hole-first chunks), prefill batches under SGLang's chunk and `max_prefill_tokens`
 budgets in whole pages with request rows, and replies cached where the workload names them."""
 
 import numpy as np
@@ -72,16 +72,16 @@ def test_holes_that_fit_beside_a_page_of_new_tokens_ride_in_the_request_batch():
     job = make_job(HISTORY + [7], 7 * B + 4)
     scheduler.submit(job)
     [chunk] = scheduler.form_prefill()
-    assert chunk.riders == tuple(holes) and chunk.last
+    assert chunk.phantoms == tuple(holes) and chunk.last
     assert chunk.segments == ((0, B), (2 * B, 3 * B), (6 * B, 7 * B + 4))
-    assert chunk.rider_tokens == 2 * B and chunk.chunk_refill_tokens == 0
+    assert chunk.phantom_tokens == 2 * B and chunk.chunk_refill_tokens == 0
     assert job.plan == plan_refill(holes, 6 * B, B + 4, 4096, 2048, 1)
     cache.check_invariants()
 
 
 @pytest.mark.parametrize("rows", [3, 4])
-def test_riders_hold_rows_in_their_batch(rows):
-    """The request and its two riders take three rows: a fourth lets the next request join."""
+def test_phantoms_hold_rows_in_their_batch(rows):
+    """The request and its two phantoms take three rows: a fourth lets the next request join."""
     cache, holes = cache_with_holes([(0, 1), (2, 3)])
     scheduler = Scheduler(cache, "fcfs", chunk_size=4096, max_running_requests=rows)
     job = make_job(HISTORY + [7], 7 * B + 4)
@@ -89,7 +89,7 @@ def test_riders_hold_rows_in_their_batch(rows):
     scheduler.submit(job)
     scheduler.submit(other)
     batch = scheduler.form_prefill()
-    assert batch[0].riders == tuple(holes)
+    assert batch[0].phantoms == tuple(holes)
     assert [c.job for c in batch] == ([job] if rows == 3 else [job, other])
 
 
@@ -102,7 +102,7 @@ def test_a_hole_larger_than_the_chunk_is_refilled_first_and_no_resident_span_is_
     segments = [s for batch in batches for chunk in batch for s in chunk.segments]
     # Chunks stop at hole ends and jump the resident [2B, 3B) and [4B, 6B).
     assert segments == [(0, B), (B, 2 * B), (3 * B, 4 * B), (6 * B, 7 * B), (7 * B, 7 * B + 4)]
-    assert all(not chunk.riders for batch in batches for chunk in batch)
+    assert all(not chunk.phantoms for batch in batches for chunk in batch)
     assert sum(chunk.chunk_refill_tokens for batch in batches for chunk in batch) == 3 * B
     cache.check_invariants()
 
@@ -125,22 +125,22 @@ def test_the_plan_is_refill_py_s_and_exactly_the_holes_and_new_tokens_are_comput
     want = [p for a, b in holes for p in range(a, b)] + list(range(6 * B, n))
     assert sorted(computed) == want
     for batch in batches:
-        charged = sum(-(-(c.tokens - c.rider_tokens) // page) * page + c.rider_tokens for c in batch)
+        charged = sum(-(-(c.tokens - c.phantom_tokens) // page) * page + c.phantom_tokens for c in batch)
         assert charged <= chunk
-    riders = sum(c.rider_tokens for batch in batches for c in batch)
+    phantoms = sum(c.phantom_tokens for batch in batches for c in batch)
     refilled = sum(c.chunk_refill_tokens for batch in batches for c in batch)
-    assert (riders, refilled) == ((3 * B, 0) if job.plan.riders else (0, 3 * B))
+    assert (phantoms, refilled) == ((3 * B, 0) if job.plan.phantoms else (0, 3 * B))
     cache.check_invariants()
 
 
-def test_without_free_rows_for_the_riders_the_request_goes_hole_first():
+def test_without_free_rows_for_the_phantoms_the_request_goes_hole_first():
     """Two holes need three rows; decoding requests hold all but two."""
     cache, holes = cache_with_holes([(0, 1), (2, 3)])
     scheduler = Scheduler(cache, "fcfs", chunk_size=4096, max_running_requests=10)
     job = make_job(HISTORY + [7], 7 * B + 4)
     scheduler.submit(job)
     [chunk] = scheduler.form_prefill(running=8)
-    assert job.plan.hole_first and chunk.riders == () and chunk.segments == ((0, B),)
+    assert job.plan.hole_first and chunk.phantoms == () and chunk.segments == ((0, B),)
     assert job.plan == plan_refill(holes, 6 * B, B + 4, 4096, 2, 1)
 
 
@@ -182,10 +182,10 @@ def test_after_a_hole_first_cut_only_requests_that_fit_whole_join_the_batch():
 
 
 @pytest.mark.parametrize(("rows", "extend", "joins"), [(3, 10, True), (3, B + 10, False), (2, 10, False)])
-def test_after_a_cut_a_request_with_holes_joins_only_whole_with_its_riders(rows, extend, joins):
-    """`holed` (three holes) has no rows for its riders: it goes hole-first and leaves 2B of the
-    chunk. `other` (one hole of B) joins with its rider when the hole and its whole extend fit
-    that budget and a row is left for the rider; otherwise it would be cut or go hole-first, and
+def test_after_a_cut_a_request_with_holes_joins_only_whole_with_its_phantoms(rows, extend, joins):
+    """`holed` (three holes) has no rows for its phantoms: it goes hole-first and leaves 2B of the
+    chunk. `other` (one hole of B) joins with its phantom when the hole and its whole extend fit
+    that budget and a row is left for the phantom; otherwise it would be cut or go hole-first, and
     waits."""
     keys = [1, 2, 3, 4, 5, 6, 7, 8]
     cache, holes = cache_with_holes([(0, 1), (2, 3), (4, 5)], keys=keys)
@@ -199,7 +199,7 @@ def test_after_a_cut_a_request_with_holes_joins_only_whole_with_its_riders(rows,
     batch = scheduler.form_prefill()
     assert batch[0].job is holed and batch[0].segments == ((0, B),) and holed.plan.hole_first
     if joins:
-        assert [(c.job, c.riders, c.segments, c.last) for c in batch[1:]] == [
+        assert [(c.job, c.phantoms, c.segments, c.last) for c in batch[1:]] == [
             (other, tuple(other_holes), ((0, B), (6 * B, 6 * B + extend)), True)]
     else:
         assert len(batch) == 1 and scheduler.waiting == [other]
@@ -274,7 +274,7 @@ def test_a_named_reply_is_cached_at_finish_and_matched_by_the_next_turn(named):
     cache.check_invariants()
 
 
-def test_replay_counts_rider_and_hole_first_tokens_apart():
+def test_replay_counts_phantom_and_hole_first_tokens_apart():
     """A history whose front was evicted (a hole of two blocks), then its next turn: with a chunk
     that holds the hole beside the new tokens it rides (phantom tokens), with a smaller one the
     request computes it hole-first (chunk refill tokens)."""

@@ -3,7 +3,7 @@
 When ``PenelopeRadixCache`` reports a match with holes (missing blocks before the last resident
 span), admission decides how they are refilled (``penelope.cache.refill``, ``plan_admission``):
 
-- riders: one prefill-only phantom request per hole joins the request's batch; its prefix is the
+- phantoms: one prefill-only phantom request per hole joins the request's batch; its prefix is the
   cached history before the hole, its extend the hole, at the hole's original positions. Every
   layer stores the whole batch's K/V before attention runs, so the real request reads the hole's
   K/V in the layer that wrote it (on any attention backend that attends through the request's
@@ -16,23 +16,23 @@ span), admission decides how they are refilled (``penelope.cache.refill``, ``pla
 |---------------------------------------------------------|---------------------------------------------|
 | ``PrefillAdder.add_one_req``                            | plans the refill against the chunk budget   |
 |                                                         | and the free request rows                   |
-| ``PrefillAdder._request_slot_reserve_for_req``          | rider tokens to the request's KV reserve    |
-| ``PrefillAdder._replay_len``                            | rider tokens to the prefill compute budget  |
+| ``PrefillAdder._request_slot_reserve_for_req``          | phantom tokens to the request's KV reserve    |
+| ``PrefillAdder._replay_len``                            | phantom tokens to the prefill compute budget  |
 | ``PrefillAdder._check_prefill_budget``                  | a hole-first request is not charged the     |
 |                                                         | resident spans it jumps over                |
 | ``PrefillAdder.add_chunked_req``                        | hole-first jumps; the chunk stops at the    |
 |                                                         | hole's end and fits the free pool, or waits |
-| ``ScheduleBatch.init_new``                              | the riders, each before its request         |
-| ``ScheduleBatch.prepare_for_extend``                    | riders' slots handed to the tree and linked |
+| ``ScheduleBatch.init_new``                              | the phantoms, each before its request         |
+| ``ScheduleBatch.prepare_for_extend``                    | phantoms' slots handed to the tree and linked |
 |                                                         | into the request's row                      |
 | ``ForwardBatch.init_new``                               | ``penelope_segments`` for the attention     |
 | ``PrefillCudaGraphRunner.load_batch``                   | the segments kept on the batch it rebuilds  |
 |                                                         | for a prefill CUDA graph replay             |
-| ``SchedulerBatchResultProcessor.process_batch_result_prefill`` | riders' rows freed; prefill tokens   |
+| ``SchedulerBatchResultProcessor.process_batch_result_prefill`` | phantoms' rows freed; prefill tokens   |
 |                                                         | counted                                     |
 | ``SchedulerInternalStateController.get_internal_state`` | ``penelope`` counters in get_server_info    |
 
-A rider is created finished (``PhantomFinished``): SGLang never streams it, never commits its
+A phantom is created finished (``PhantomFinished``): SGLang never streams it, never commits its
 output and filters it out of every running batch. Every hook passes other caches' batches and
 requests without holes straight through.
 Not handled: pipeline parallelism, PD disaggregation, speculative decoding, dLLM batches.
@@ -58,9 +58,9 @@ PHANTOM_OF = "penelope_phantom_of"
 # pos_start, length), one per request, as `penelope.kernels.ragged_prefill_attention` takes them.
 SEGMENTS = "penelope_segments"
 # Attribute on a new ScheduleBatch until its rows are linked: [(request, its phantoms)].
-_RIDERS = "penelope_riders"
-# Attribute on a PrefillAdder: rows its admitted requests' riders will take.
-_RIDER_ROWS = "penelope_rider_rows"
+_PHANTOMS = "penelope_phantoms"
+# Attribute on a PrefillAdder: rows its admitted requests' phantoms will take.
+_PHANTOM_ROWS = "penelope_phantom_rows"
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
@@ -69,7 +69,7 @@ _PREFILL_GRAPH = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.Pre
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
-# Per scheduler process: tokens of every prefill batch (riders included) and of riders alone.
+# Per scheduler process: tokens of every prefill batch (phantoms included) and of phantoms alone.
 # `prefill_positions` sums the positions of those tokens: the attention query-key pairs they cost,
 # per layer and head.
 # `ragged_batches`: phantom batches the ragged kernel of ``attention.py`` ran. `parked_chunks`:
@@ -113,10 +113,10 @@ def make_phantom(real: Req, start: int, end: int) -> Req:
 
 def free_rows_for(adder) -> int:
     """Request rows still free for the next admission of `adder`: the pool's free rows minus the
-    rows its admitted requests and their riders will take."""
+    rows its admitted requests and their phantoms will take."""
     pool = adder.tree_cache.req_to_token_pool
     taken = sum(req.kv.req_pool_idx is None for req in adder.can_run_list)
-    return pool.available_size() - taken - getattr(adder, _RIDER_ROWS, 0)
+    return pool.available_size() - taken - getattr(adder, _PHANTOM_ROWS, 0)
 
 
 def _admit(original, adder, req, has_chunked_req, truncation_align_size):
@@ -125,7 +125,7 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
         return original(adder, req, has_chunked_req, truncation_align_size)
     rows = free_rows_for(adder)
     if rows < 1 and req.kv.req_pool_idx is None:
-        # Riders took the rows SGLang counted on: this request gets none this step.
+        # Phantoms took the rows SGLang counted on: this request gets none this step.
         return AddReqResult.OTHER
     if not cache.load_for(req):
         # Its CPU spans cannot come back to the GPU now: too much KV is locked.
@@ -141,9 +141,9 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
         return AddReqResult.OTHER
     if plan is None or plan.first_chunk_end is None:
         result = original(adder, req, has_chunked_req, truncation_align_size)
-        if plan is not None and plan.riders and adder.can_run_list and adder.can_run_list[-1] is req:
-            setattr(adder, _RIDER_ROWS, getattr(adder, _RIDER_ROWS, 0) + len(plan.riders))
-            _count_riders_as_computed(adder, req, plan.rider_tokens)
+        if plan is not None and plan.phantoms and adder.can_run_list and adder.can_run_list[-1] is req:
+            setattr(adder, _PHANTOM_ROWS, getattr(adder, _PHANTOM_ROWS, 0) + len(plan.phantoms))
+            _count_phantoms_as_computed(adder, req, plan.phantom_tokens)
         return result
     # Hole-first: the first chunk must end where the first hole ends, never in the resident span
     # after it. SGLang chunks at rem_chunk_tokens; narrow it for this call and charge the rest.
@@ -161,8 +161,8 @@ def _admit(original, adder, req, has_chunked_req, truncation_align_size):
     return adder.budget_state() if adder.can_run_list and adder.can_run_list[-1] is req else result
 
 
-def _count_riders_as_computed(adder, req, tokens: int) -> None:
-    """SGLang counted a rider request's whole prefix as cache hits and its riders' holes as
+def _count_phantoms_as_computed(adder, req, tokens: int) -> None:
+    """SGLang counted a phantom request's whole prefix as cache hits and its phantoms' holes as
     replayed tokens; the holes were recomputed, so they are new tokens of this step, not hits."""
     adder.log_hit_tokens -= tokens
     adder.log_device_hit_tokens -= tokens
@@ -174,7 +174,7 @@ def _count_riders_as_computed(adder, req, tokens: int) -> None:
 
 
 def _chunk_need(adder, req, cache: PenelopeRadixCache) -> int:
-    """Chunk tokens `req` takes if admitted whole: its page-rounded extend and its riders."""
+    """Chunk tokens `req` takes if admitted whole: its page-rounded extend and its phantoms."""
     extend = len(req.full_untruncated_fill_ids) - req.prefix_len
     return adder.ceil_paged_tokens(extend) + cache.hole_tokens(req)
 
@@ -245,41 +245,41 @@ def _charge_hole_compute(original, adder, req, prefix_len):
 
 
 def _add_phantoms(original, cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, *args, **kwargs):
-    riders = []
+    holed = []  # (request, its phantoms)
     if isinstance(tree_cache, PenelopeRadixCache):
-        with_riders = []
+        with_phantoms = []
         for req in reqs:
-            holes = tree_cache.rider_holes(req)
+            holes = tree_cache.phantom_holes(req)
             phantoms = [make_phantom(req, start, end) for start, end in holes]
-            with_riders.extend(phantoms)
-            with_riders.append(req)
+            with_phantoms.extend(phantoms)
+            with_phantoms.append(req)
             if phantoms:
-                riders.append((req, phantoms))
-        reqs = with_riders if riders else reqs
+                holed.append((req, phantoms))
+        reqs = with_phantoms if holed else reqs
     batch = original(cls, reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, *args, **kwargs)
-    if riders:
-        setattr(batch, _RIDERS, riders)
+    if holed:
+        setattr(batch, _PHANTOMS, holed)
     return batch
 
 
 def _link_rows(original, batch):
     result = original(batch)
-    riders = getattr(batch, _RIDERS, None)
-    if riders:
+    holed = getattr(batch, _PHANTOMS, None)
+    if holed:
         # Where each phantom's K/V rows are written in the batch's out_cache_loc.
         offsets, position = {}, 0
         for req, length in zip(batch.reqs, batch.extend_lens, strict=True):
             offsets[id(req)] = position
             position += length
-        batch.tree_cache.link_riders(riders, batch.out_cache_loc, offsets)
-        for req, phantoms in riders:
+        batch.tree_cache.link_phantoms(holed, batch.out_cache_loc, offsets)
+        for req, phantoms in holed:
             if not req.retracted_stain:
-                # prepare_for_extend counted the request's whole prefix as cached; its riders'
+                # prepare_for_extend counted the request's whole prefix as cached; its phantoms'
                 # holes are computed by this batch (users bill and route on cached_tokens).
                 holes = sum(p.extend_len for p in phantoms)
                 req.cached_tokens -= holes
                 req.cached_tokens_device = max(req.cached_tokens_device - holes, 0)
-        setattr(batch, _RIDERS, None)
+        setattr(batch, _PHANTOMS, None)
     return result
 
 

@@ -17,7 +17,7 @@ overrides the variable of the same option:
 | ``attention`` | ``PENELOPE_ATTENTION`` | ragged     | ``ragged``: phantom batches use Penelope's kernel |
 | ``tool_call_token`` | ``PENELOPE_TOOL_CALL_TOKEN`` | none | token id opening a tool call in a reply (``hints.py``) |
 | ``refill``    | ``PENELOPE_REFILL``    | auto       | how holes are refilled (``backends.py``): ``auto``, |
-|               |                        |            | ``riders`` (refused where unsafe), ``hole-first`` |
+|               |                        |            | ``phantoms`` (refused where unsafe), ``hole-first`` |
 
 By default a block is one SGLang page, so the cache keeps what SGLang's own radix cache would keep
 (every token with page size 1, whole pages otherwise). ``attention`` is read when the plugin loads

@@ -59,7 +59,7 @@ from penelope.cache.tiers import TwoTierCache
 from penelope.cache.tree import BlockState
 from penelope.errors import CacheFullError, InvariantError, UsageError
 
-from .backends import prefill_backend, riders_allowed
+from .backends import phantoms_allowed, prefill_backend
 from .events import KVEvents
 from .hints import book_counters, wait_kind
 from .host_tier import HostKV, host_tokens, kv_bytes_per_token
@@ -105,9 +105,9 @@ class PenelopeRadixCache(BasePrefixCache):
         self.forward_stream = forward_stream
         self.phantoms = options.phantoms if phantoms is None else phantoms
         self.block_size = options.resolved_block_size(self.page_size)
-        # Riders only where the backend stores a batch's K/V before reading its prefix; holes are
+        # Phantoms only where the backend stores a batch's K/V before reading its prefix; holes are
         # refilled hole-first elsewhere.
-        self.riders = self.phantoms and riders_allowed(
+        self.phantom_refill = self.phantoms and phantoms_allowed(
             options.refill, backend or prefill_backend(), page_interleave_shard_size(self.token_to_kv_pool_allocator))
         self.slots = SGLangSlots(self.token_to_kv_pool_allocator)
         self.device = self.slots.device
@@ -125,7 +125,7 @@ class PenelopeRadixCache(BasePrefixCache):
         self.namespaces = Namespaces()
         self.kv_events = KVEvents(params, self.block_size, self.namespaces)
         # Tokens computed by phantoms, and hole tokens computed by their own request's chunks.
-        self.rider_tokens = 0
+        self.phantom_tokens = 0
         self.chunk_refill_tokens = 0
         # Tokens a request computed that the tree held already when it checkpointed them.
         self.duplicate_tokens = 0
@@ -400,7 +400,7 @@ class PenelopeRadixCache(BasePrefixCache):
     def plan_admission(self, req, chunk_budget: int | None, free_rows: int,
                        align: int | None = None) -> RefillPlan | None:
         """Decide how a request whose match reported holes is admitted (``penelope.cache.refill``):
-        riders (where the attention backend allows them), or hole-first chunks from its first
+        phantoms (where the attention backend allows them), or hole-first chunks from its first
         hole, or (without chunked prefill and rows) some holes dropped. Sets the request's prefix
         accordingly; a request that drops holes then holds a match of what it reads only. `align`:
         the scheduler's chunk alignment (SGLang's ``truncation_align_size``), if any. None without
@@ -411,7 +411,7 @@ class PenelopeRadixCache(BasePrefixCache):
             return None
         extend = len(req.full_untruncated_fill_ids) - ref.prefix_len
         plan = plan_refill(ref.holes, ref.prefix_len, extend, chunk_budget, max(free_rows, 1), self.page_size,
-                           riders=self.riders, own_chunk=align)
+                           phantoms=self.phantom_refill, own_chunk=align)
         setattr(req, REFILL, plan)
         if plan.compute_from != ref.prefix_len:
             req.prefix_len = plan.compute_from
@@ -459,16 +459,16 @@ class PenelopeRadixCache(BasePrefixCache):
         req.kv.cache_protected_len = again.prefix_len
         return True
 
-    def rider_holes(self, req) -> list[tuple[int, int]]:
+    def phantom_holes(self, req) -> list[tuple[int, int]]:
         """Holes of `req` that phantoms refill in its admission batch (empty once it holds a row)."""
         plan = getattr(req, REFILL, None)
-        if plan is None or not plan.riders or req.kv.req_pool_idx is not None:
+        if plan is None or not plan.phantoms or req.kv.req_pool_idx is not None:
             return []
-        return list(plan.riders)
+        return list(plan.phantoms)
 
     def hole_tokens(self, req) -> int:
         """Tokens the phantoms of `req` compute in its admission batch."""
-        return sum(end - start for start, end in self.rider_holes(req))
+        return sum(end - start for start, end in self.phantom_holes(req))
 
     def continue_chunk(self, req) -> int | None:
         """Before a hole-first request's next chunk: jump over the resident spans that start at
@@ -485,9 +485,9 @@ class PenelopeRadixCache(BasePrefixCache):
             return None
         return hole_end - position
 
-    def link_riders(self, riders: list, out_cache_loc: torch.Tensor | None = None,
-                    offsets: dict | None = None) -> None:
-        """After allocation, for every (request, its phantoms) of a batch: hand the phantoms' hole
+    def link_phantoms(self, holed: list, out_cache_loc: torch.Tensor | None = None,
+                      offsets: dict | None = None) -> None:
+        """After allocation, for every (request, its phantoms) of a batch (`holed`): hand the phantoms' hole
         slots to the tree (they are written by the forward about to run) and point the request's
         row, and the rows of its later phantoms (whose prefixes contain the hole), at the tree's
         slots. A hole some other request refilled meanwhile keeps the tree's slots: the phantom
@@ -497,7 +497,7 @@ class PenelopeRadixCache(BasePrefixCache):
         batch's rows are read back in one device-to-host copy and written in one scatter, not once
         per phantom (each read from a GPU waits for it)."""
         table = self.req_to_token_pool.req_to_token
-        phantoms = [phantom for _, ones in riders for phantom in ones]
+        phantoms = [phantom for _, ones in holed for phantom in ones]
         if not phantoms:
             return
         passed_all = torch.cat([table[p.kv.req_pool_idx, p.prefix_len:p.extend_end] for p in phantoms]).to(
@@ -505,7 +505,7 @@ class PenelopeRadixCache(BasePrefixCache):
         rows, columns, values = [], [], []
         redirected, targets, freed = [], [], []
         offset = 0
-        for req, ones in riders:
+        for req, ones in holed:
             handle = self._locks[req.lock.receipt.node_id]
             for i, phantom in enumerate(ones):
                 start, end = phantom.prefix_len, phantom.extend_end
@@ -530,7 +530,7 @@ class PenelopeRadixCache(BasePrefixCache):
                     values.append(kept)
                 # The hole is the tree's now: SGLang must not count it as the phantom's as well.
                 phantom.kv.cache_protected_len = end
-                self.rider_tokens += end - start
+                self.phantom_tokens += end - start
             logger.debug("penelope: %s refills %s with phantoms", req.rid, [(p.prefix_len, p.extend_end) for p in ones])
         device = table.device
         where = tuple(torch.from_numpy(np.concatenate(parts)).to(device) for parts in (rows, columns))
@@ -578,7 +578,7 @@ class PenelopeRadixCache(BasePrefixCache):
         now = self._cache_counters()
         return {**{name: self._earlier[name] + value for name, value in now.items()}, **tiers,
                 "host_tokens": self.host_tokens,
-                "rider_tokens": self.rider_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
+                "phantom_tokens": self.phantom_tokens, "chunk_refill_tokens": self.chunk_refill_tokens,
                 "duplicate_tokens": self.duplicate_tokens,
                 "cached_tokens": self.total_size(), "block_size": self.block_size,
                 "policy": self.cache.policy.name, **book_counters(self.cache.policy),

@@ -8,15 +8,15 @@
 # Engine on a pool that never evicts. "det": SGLang's deterministic inference (the runs agree to
 # rounding); without it bf16 results depend on batch shapes and the default bf16 --atol applies.
 #   fa3-chunk256-det    SGLang's default backend (FA3 on Hopper), holes larger than a chunk (hole-first)
-#   fa3-riders-det      the default backend, holes refilled by riders (chunk 4096)
-#   fa3-riders          the same without deterministic inference
-#   fa3-two-tiers       riders and Penelope's CPU tier (pinned host pool, copies on side streams)
-#   trtllm-riders       --attention-backend trtllm_mha with riders (it has no deterministic mode)
-#   triton-riders-det   --attention-backend triton: phantom batches through Penelope's ragged kernel
-#   triton-riders       the same without deterministic inference, prefill CUDA graphs on (SGLang's
+#   fa3-phantoms-det      the default backend, holes refilled by phantoms (chunk 4096)
+#   fa3-phantoms          the same without deterministic inference
+#   fa3-two-tiers       phantoms and Penelope's CPU tier (pinned host pool, copies on side streams)
+#   trtllm-phantoms       --attention-backend trtllm_mha with phantoms (it has no deterministic mode)
+#   triton-phantoms-det   --attention-backend triton: phantom batches through Penelope's ragged kernel
+#   triton-phantoms       the same without deterministic inference, prefill CUDA graphs on (SGLang's
 #                       default): the ragged kernel must still run the phantom batches
 #   triton-sglang-det   PENELOPE_ATTENTION=sglang: phantoms on SGLang's Triton kernel
-# Exit 1 if any differs (or triton-riders ran no batch on the ragged kernel); JSON reports in OUT_DIR.
+# Exit 1 if any differs (or triton-phantoms ran no batch on the ragged kernel); JSON reports in OUT_DIR.
 #
 # Usage: bash integration/sglang/smoke_gpu.sh [--dry-run] [OUT_DIR]   (default: $OUT or ./smoke_out)
 #   --dry-run   print the command of every configuration, one per line, and run nothing
@@ -52,16 +52,16 @@ check() {  # name, PENELOPE_ATTENTION, extra `penelope verify` arguments...
 }
 
 check fa3-chunk256-det ragged --chunk 256 "${DET[@]}"
-check fa3-riders-det ragged --chunk 4096 "${DET[@]}"
-check fa3-riders ragged --chunk 4096
+check fa3-phantoms-det ragged --chunk 4096 "${DET[@]}"
+check fa3-phantoms ragged --chunk 4096
 check fa3-two-tiers ragged --chunk 4096 --cpu-cache 8192
-check trtllm-riders ragged --chunk 4096 --engine-arg 'attention_backend="trtllm_mha"'
-check triton-riders-det ragged --chunk 4096 --engine-arg 'attention_backend="triton"' "${DET[@]}"
-check triton-riders ragged --chunk 4096 --engine-arg 'attention_backend="triton"'
+check trtllm-phantoms ragged --chunk 4096 --engine-arg 'attention_backend="trtllm_mha"'
+check triton-phantoms-det ragged --chunk 4096 --engine-arg 'attention_backend="triton"' "${DET[@]}"
+check triton-phantoms ragged --chunk 4096 --engine-arg 'attention_backend="triton"'
 check triton-sglang-det sglang --chunk 4096 --engine-arg 'attention_backend="triton"' "${DET[@]}"
 [ "$DRY_RUN" = 1 ] && exit 0
 
 # Phantom batches of the ragged configuration ran on Penelope's kernel, CUDA graphs or not.
 "$PY" -c "import json, sys; runs = json.load(open(sys.argv[1]))['runs']; sys.exit(0 if (runs['penelope'].get('ragged_batches') or 0) > 0 else 1)" \
-  "$OUT_DIR/verify_triton-riders.json" || { echo "smoke_gpu: triton-riders ran no phantom batch on the ragged kernel" >&2; status=1; }
+  "$OUT_DIR/verify_triton-phantoms.json" || { echo "smoke_gpu: triton-phantoms ran no phantom batch on the ragged kernel" >&2; status=1; }
 exit $status

@@ -19,7 +19,7 @@ import os
 from penelope.cache.host_tier import MAX_HOST_SLOTS
 from penelope.errors import UsageError
 
-from .backends import prefill_backend, riders_allowed
+from .backends import phantoms_allowed, prefill_backend
 from .host_tier import check_fits
 from .plugin import BACKEND_NAME, PenelopeOptions, options_from
 
@@ -61,12 +61,12 @@ def check_server_args(server_args) -> None:
     pool = getattr(cfg, "max_total_tokens", None)
     if pool and block > pool:
         raise UsageError(f"penelope: block_size {block} is larger than the KV pool (--max-total-tokens {pool})")
-    if options.phantoms and options.refill == "riders":
+    if options.phantoms and options.refill == "phantoms":
         # The backend SGLang resolved (the one named, or its default for this machine); the
         # scheduler checks again with the one its model runner built (create_penelope_cache).
         backend = prefill_backend(server_args=cfg)
         if backend is not None:
-            riders_allowed(options.refill, backend)
+            phantoms_allowed(options.refill, backend)
     check_host_memory(options, block, server_args, cfg, model)
 
 

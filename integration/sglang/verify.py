@@ -7,7 +7,7 @@ SGLang's default radix cache on the small pool. It compares every request's gene
 (identical) and log-probabilities (input, from the tokens new in its turn, and output: within
 `atol`) with the never-evicting run, requires every request to finish, and reports the prefill
 tokens each cache recomputed because of eviction (its prefill tokens minus the never-evicting
-run's; riders and hole chunks included). A small pool that never evicted fails the check: it
+run's; phantoms and hole chunks included). A small pool that never evicted fails the check: it
 would pass without testing anything.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A match with holes (MISSING spans before the last resident span) can be served two ways:
 
-- Riders: one prefill-only phantom per hole runs in the SAME forward as the request, which
+- Phantoms: one prefill-only phantom per hole runs in the SAME forward as the request, which
   computes from the end of its last resident span. Cheapest (one step), but the holes and at least
   one page of the request's own tokens must fit the step's chunk budget, and every phantom needs a
   request row of its own.
@@ -27,21 +27,21 @@ from penelope.errors import UsageError
 class RefillPlan:
     """The admission of one request with holes.
 
-    `riders`: holes recomputed by phantoms in the request's batch. `compute_from`: where the
+    `phantoms`: holes recomputed by phantoms in the request's batch. `compute_from`: where the
     request's own extend starts. `first_chunk_end`: where its first chunk must stop (the end of
     its first hole, so it never computes the resident span after it), None when unconstrained.
     `spans`: the original (start, end, resident) spans before the request's resident end; later
     chunks use them (`next_chunk`) to jump over resident spans and stop at hole ends.
     """
 
-    riders: tuple[tuple[int, int], ...]
+    phantoms: tuple[tuple[int, int], ...]
     compute_from: int
     first_chunk_end: int | None = None
     spans: tuple[tuple[int, int, bool], ...] = ()
 
     @property
-    def rider_tokens(self) -> int:
-        return sum(end - start for start, end in self.riders)
+    def phantom_tokens(self) -> int:
+        return sum(end - start for start, end in self.phantoms)
 
     @property
     def hole_first(self) -> bool:
@@ -57,17 +57,17 @@ class RefillPlan:
 
 
 def plan_refill(holes, compute_from: int, extend_tokens: int, chunk_budget: int | None,
-                free_rows: int, page_size: int, riders: bool = True, own_chunk: int | None = None) -> RefillPlan:
+                free_rows: int, page_size: int, phantoms: bool = True, own_chunk: int | None = None) -> RefillPlan:
     """Decide how a request whose match has `holes` ((start, end) pairs, in order, all before
     `compute_from`) is admitted.
 
     `extend_tokens`: tokens the request computes from `compute_from` (>= 1). `chunk_budget`: tokens
     the step can still compute (None: chunked prefill is off, one step runs any length).
-    `free_rows`: request rows left for this request and its phantoms (>= 1). `riders`: whether
+    `free_rows`: request rows left for this request and its phantoms (>= 1). `phantoms`: whether
     phantoms may ride in the request's batch at all (False where the attention backend reads a
-    batch's cached prefix before it stores the batch's K/V: a rider's hole would be read before
+    batch's cached prefix before it stores the batch's K/V: a phantom's hole would be read before
     it is written). `own_chunk`: the fewest of its own tokens the request may compute beside its
-    riders (default: one page; a scheduler that aligns chunk ends needs one alignment unit, or
+    phantoms (default: one page; a scheduler that aligns chunk ends needs one alignment unit, or
     the whole extend when that is shorter).
     """
     holes = tuple((int(a), int(b)) for a, b in holes)
@@ -75,15 +75,15 @@ def plan_refill(holes, compute_from: int, extend_tokens: int, chunk_budget: int 
     if not holes:
         return RefillPlan((), compute_from)
     hole_tokens = sum(b - a for a, b in holes)
-    rider_rows = free_rows - 1 if riders else 0
+    phantom_rows = free_rows - 1 if phantoms else 0
     if chunk_budget is None:
         # One step computes everything: drop the holes that get no row; the request computes from
         # the first dropped one.
-        kept = holes[:rider_rows]
+        kept = holes[:phantom_rows]
         start = compute_from if len(kept) == len(holes) else holes[len(kept)][0]
         return RefillPlan(kept, start)
     own = min(-(-extend_tokens // page_size) * page_size, page_size if own_chunk is None else own_chunk)
-    if len(holes) <= rider_rows and hole_tokens + own <= chunk_budget:
+    if len(holes) <= phantom_rows and hole_tokens + own <= chunk_budget:
         return RefillPlan(holes, compute_from)
     spans = []
     previous = holes[0][0]

@@ -27,20 +27,20 @@ the difference does not change cache behaviour or batch shapes:
   that spends it joins whole), so it binds only when it is below the chunk size.
 - Chunks: a request cut by the chunk budget stops at a page boundary and continues first in the
   next prefill batch, then as far as the budget goes (SGLang's `add_chunked_req`). One request at
-  a time continues: once a request of the batch is cut, only requests that fit whole (riders
+  a time continues: once a request of the batch is cut, only requests that fit whole (phantoms
   included, no hole-first plan) join the batch after it, and the first that does not stops
   admission (the plugin's rule for a continuing chunk; SGLang tracks one chunked request).
 - Request rows: `max_running_requests` rows (SGLang's request-to-token pool; default 2048, the
   floor of SGLang's own default). Every decoding request, the continuing request and every request
-  admitted to the batch holds one; a rider holds one during its batch. Admission stops when none
+  admitted to the batch holds one; a phantom holds one during its batch. Admission stops when none
   is free.
 - Holes (MISSING spans before the last resident span of a match; Penelope's policies leave them)
   are refilled by the plugin's rule, `penelope.cache.refill.plan_refill`, given the chunk budget
-  left in the batch, the free rows and the page size: riders (one phantom per hole in the
+  left in the batch, the free rows and the page size: phantoms (one phantom per hole in the
   request's batch, when the holes and a page of the request's own tokens fit and every phantom
   gets a row) or hole-first chunks (the request computes from its first hole, each chunk stopping
   at a hole's end, jumping over the resident spans between holes: `next_chunk`). Counted apart:
-  `Chunk.rider_tokens` (the plugin's `phantom_tokens`) and `Chunk.chunk_refill_tokens` (hole
+  `Chunk.phantom_tokens` (the plugin's `phantom_tokens`) and `Chunk.chunk_refill_tokens` (hole
   tokens a request computes in its own chunks, the plugin's `chunk_refill_tokens`).
 - The request's prompt is matched without its last token (as SGLang does), so at least one token
   is computed and the first output token has a batch to come from.
@@ -141,24 +141,24 @@ class Job:
 
 @dataclass(frozen=True)
 class Chunk:
-    """The part of one job computed in a prefill batch: position spans (its riders' holes first,
-    then its own span), whether it ends the prompt, and `riders`, the holes its phantoms refill
+    """The part of one job computed in a prefill batch: position spans (its phantoms' holes first,
+    then its own span), whether it ends the prompt, and `phantoms`, the holes its phantoms refill
     in this batch. `loaded`: CPU-tier tokens to load before this chunk (first chunk only)."""
 
     job: Job
     segments: tuple[tuple[int, int], ...]
     last: bool
     loaded: int = 0
-    riders: tuple[tuple[int, int], ...] = ()
+    phantoms: tuple[tuple[int, int], ...] = ()
 
     @property
     def tokens(self) -> int:
         return sum(end - start for start, end in self.segments)
 
     @property
-    def rider_tokens(self) -> int:
+    def phantom_tokens(self) -> int:
         """Hole tokens phantoms compute in this batch (the plugin's `phantom_tokens`)."""
-        return sum(end - start for start, end in self.riders)
+        return sum(end - start for start, end in self.phantoms)
 
     @property
     def chunk_refill_tokens(self) -> int:
@@ -274,8 +274,8 @@ class Scheduler:
             admitted += 1
             chunk = self._first_chunk(job, budget.chunk, loaded)
             chunks.append(chunk)
-            # Riders' holes are whole blocks, so whole pages: the chunk's pages are its own and theirs.
-            budget.charge(self._paged(chunk.tokens), 1 + len(chunk.riders))
+            # Phantoms' holes are whole blocks, so whole pages: the chunk's pages are its own and theirs.
+            budget.charge(self._paged(chunk.tokens), 1 + len(chunk.phantoms))
         # Admission stops at the first request that does not fit: the admitted ones are a prefix.
         del self.waiting[:admitted]
         return chunks
@@ -331,14 +331,14 @@ class Scheduler:
                            self.page_size)
 
     def _fits_whole(self, job: Job, budget: _Budget) -> bool:
-        """Whether `job` would join the batch whole, riders included (no hole-first plan)."""
+        """Whether `job` would join the batch whole, phantoms included (no hole-first plan)."""
         match = self.cache.match(job.tokens[: job.input_tokens - 1])
         compute_from = min(match.compute_from, job.input_tokens - 1)
         plan = self._plan(match.holes, compute_from, job, budget)
         if plan is not None and plan.hole_first:
             return False
-        riders = plan.rider_tokens if plan is not None else 0
-        return self._paged(job.input_tokens - compute_from) + riders <= budget.chunk
+        phantoms = plan.phantom_tokens if plan is not None else 0
+        return self._paged(job.input_tokens - compute_from) + phantoms <= budget.chunk
 
     def _admit(self, job: Job, budget: _Budget) -> int | None:
         """Admit `job` (`penelope.cache.admission.admit`: its prompt matched without the last token,
@@ -362,18 +362,18 @@ class Scheduler:
         return job.loaded
 
     def _first_chunk(self, job: Job, budget: int, loaded: int) -> Chunk:
-        """The admission chunk of `job` under `budget` chunk tokens: its riders, then its own tokens
+        """The admission chunk of `job` under `budget` chunk tokens: its phantoms, then its own tokens
         from where its plan starts it (a hole-first request: its first hole, up to that hole's
         end), cut where the budget ends when they do not fit whole (`PrefillAdder`)."""
         plan = job.plan
-        riders = plan.riders if plan is not None else ()
+        phantoms = plan.phantoms if plan is not None else ()
         start = plan.compute_from if plan is not None else job.compute_from
-        room = budget - sum(end - begin for begin, end in riders)
+        room = budget - sum(end - begin for begin, end in phantoms)
         if plan is not None and plan.first_chunk_end is not None:
             room = min(room, plan.first_chunk_end - start)
         # Budgets, hole ends and the starts of cut requests are whole pages: so is every cut.
         end = job.input_tokens if self._paged(job.input_tokens - start) <= room else start + room
-        return self._chunk(job, start, end, loaded, riders)
+        return self._chunk(job, start, end, loaded, phantoms)
 
     def _continue(self, job: Job, budget: int) -> Chunk:
         """The next chunk of the cut `job`: from where it stopped (a hole-first request jumps the
@@ -385,11 +385,11 @@ class Scheduler:
         end = min(job.input_tokens, start + budget, job.input_tokens if hole_end is None else hole_end)
         return self._chunk(job, start, end, 0, ())
 
-    def _chunk(self, job: Job, start: int, end: int, loaded: int, riders) -> Chunk:
+    def _chunk(self, job: Job, start: int, end: int, loaded: int, phantoms) -> Chunk:
         if end <= start:
             raise InvariantError(f"{job.request.source}: an empty chunk at {start} (budgets are whole pages)")
         job.position = end
         last = end == job.input_tokens
         if not last:
             self.chunked = job
-        return Chunk(job, (*riders, (start, end)), last, loaded, tuple(riders))
+        return Chunk(job, (*phantoms, (start, end)), last, loaded, tuple(phantoms))

@@ -3,8 +3,8 @@
 The server alternates batches as SGLang does: when a prefill batch can be formed (a cut prompt
 continues, or a waiting request is admitted), it runs, pausing decode; otherwise one decode step
 runs for every request that has its first token and still generates. A prefill batch takes
-`TimeModel.prefill_time` over every span it computes (riders' holes, hole-first chunks and new
-tokens; the phantom kernel's cost where riders are in the batch) plus CPU->GPU loads; a decode
+`TimeModel.prefill_time` over every span it computes (phantoms' holes, hole-first chunks and new
+tokens; the phantom kernel's cost where phantoms are in the batch) plus CPU->GPU loads; a decode
 step takes `TimeModel.decode_step_time` of the batch's KV. Decoding requests hold request rows
 (`Scheduler.form_prefill`).
 
@@ -64,8 +64,8 @@ class ServerCounters:
     """What one server did. Times in seconds of simulated time, sizes in tokens.
 
     busy_time: seconds spent in prefill batches and decode steps; received: requests that reached
-    the server (skipped ones included); phantom_batches: prefill batches with riders;
-    phantom_tokens: hole tokens riders computed; chunk_refill_tokens: hole tokens hole-first
+    the server (skipped ones included); phantom_batches: prefill batches with phantoms;
+    phantom_tokens: hole tokens phantoms computed; chunk_refill_tokens: hole tokens hole-first
     requests computed in their own chunks; max_waiting: longest waiting queue seen at an arrival;
     last_arrival, last_finish: times of the last request received and the last one finished."""
 
@@ -243,17 +243,17 @@ class Server:
                 tokens += end - start
                 pairs += self.cost.attention_pairs(start, end)
             loaded += chunk.loaded
-        riders = any(chunk.riders for chunk in chunks)
-        seconds = self.time_model.prefill_time(tokens, pairs, riders) + self.time_model.load_time(loaded)
+        phantoms = any(chunk.phantoms for chunk in chunks)
+        seconds = self.time_model.prefill_time(tokens, pairs, phantoms) + self.time_model.load_time(loaded)
         for chunk in chunks:
             if chunk.job.admit_time is None:
                 chunk.job.admit_time = self.now
                 self.events.append(("admit", chunk.job.number, chunk.job.index))
         counters = self.counters
         counters.prefill_batches += 1
-        counters.phantom_batches += riders
+        counters.phantom_batches += phantoms
         counters.prefill_tokens += int(tokens)
-        counters.phantom_tokens += sum(chunk.rider_tokens for chunk in chunks)
+        counters.phantom_tokens += sum(chunk.phantom_tokens for chunk in chunks)
         counters.chunk_refill_tokens += sum(chunk.chunk_refill_tokens for chunk in chunks)
         counters.busy_time += seconds
         self.action = chunks

@@ -2,7 +2,7 @@
 as ``flashinfer`` a variant of SGLang's ``torch_native`` backend that, like FlashInfer's ragged
 prefill, reads each request's cached prefix from the pool BEFORE it stores the batch's K/V, and
 attends to the request's own new tokens from the batch's K/V. A request whose prefix holds a hole
-that another request of the same batch (a rider) writes then reads the hole's stale rows.
+that another request of the same batch (a phantom) writes then reads the hole's stale rows.
 """
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
