@@ -27,7 +27,8 @@ from penelope.loadgen.runner import LoadConfig, run_load
 from penelope.loadgen.summary import summarize
 from penelope.loadgen.target import probe_server
 from penelope.loadgen.tokens import TokenSpace
-from penelope.sim.workloads import ThinkTime, load_workload
+from penelope.sim.workloads.load import load_workload
+from penelope.sim.workloads.types import ThinkTime
 
 STUB = Path(__file__).resolve().parents[1] / "tests" / "loadgen_stub.py"
 REQUESTS, SESSIONS, SCALE = 1000, 32, 8

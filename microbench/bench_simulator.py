@@ -23,8 +23,8 @@ from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.run import SimConfig, ablation_policies, default_gpu_cache, run_policies
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import load_workload
+from penelope.sim.workloads.load import load_workload
+from penelope.sim.workloads.weka import load_weka
 
 TRACES = Path(
     os.environ.get("PENELOPE_WEKA_TRACES")

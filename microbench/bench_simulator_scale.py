@@ -1,7 +1,7 @@
 """Simulator cost under overload and at cluster scale: per-decision cost against the queue's length,
 and Mooncake-scale replays (one saturated server, a fleet of replicas).
 
-Workloads: the Mooncake-like trace (`penelope.sim.mooncake_like`, seed 0: about 12,000 requests
+Workloads: the Mooncake-like trace (`penelope.sim.workloads.mooncake_like`, seed 0: about 12,000 requests
 over 3,537 s, the public conversation trace's statistics; the real trace is not shipped) on
 Qwen3-8B with a 128K GPU cache per server, SGLang's policy and Penelope's.
 
@@ -35,12 +35,12 @@ from penelope.cache.manager import KVCache
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.ensemble import run_ensembles
-from penelope.sim.mooncake import load_mooncake
-from penelope.sim.mooncake_like import MooncakeLikeConfig, write_jsonl
 from penelope.sim.run import SimConfig, run_policy
 from penelope.sim.scheduler import LPM_QUEUE_MAX, Job, Scheduler
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import HUMAN, Request, request_tokens
+from penelope.sim.workloads.mooncake import load_mooncake
+from penelope.sim.workloads.mooncake_like import MooncakeLikeConfig, write_jsonl
+from penelope.sim.workloads.types import HUMAN, Request, request_tokens
 
 B = 64
 QUEUE_LENGTHS = (16, LPM_QUEUE_MAX, LPM_QUEUE_MAX + 1, 1024, 8192, 32768)

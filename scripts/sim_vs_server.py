@@ -10,7 +10,7 @@ and chunk and T-LRU's and SLRU's settings (`setup`), the trace, `--from-context`
 missing or malformed one (and a malformed configuration, run or estimate) is one line, exit 2, as
 is a `--json` that cannot be written or names an input (checked before the run); Ctrl-C is one
 line, exit 130. The workload is loaded as `penelope ab` loaded it and scaled as
-its load generator scales it (`penelope.sim.scale`: the prompts the servers got, token for
+its load generator scales it (`penelope.sim.workloads.scale`: the prompts the servers got, token for
 token). Each configuration is replayed once, in SGLang's default FCFS order, its policy the
 simulator's port of the server's (`penelope` -> the policy Penelope's plugin applied,
 `sglang-tlru` -> `sglang-tlru:threshold=T:next_prompt_estimate=Q`, ...); `penelope-tier` and
@@ -197,9 +197,9 @@ def trace_of(workload: dict, given: str | None):
 
 def load_workload(ab: dict, trace: str | None):
     """The workload `penelope ab` replayed, scaled as its load generator scaled it."""
-    from penelope.sim.fleet_options import check_time_scale, scale_time
-    from penelope.sim.options import load_from_args
-    from penelope.sim.scale import check_scale, scale_workload
+    from penelope.commands.fleet_options import check_time_scale, scale_time
+    from penelope.commands.workload_options import load_from_args
+    from penelope.sim.workloads.scale import check_scale, scale_workload
 
     work = {"workload": ab["workload"]}
     fmt = _field(work, "workload.format")

@@ -1,7 +1,7 @@
 """Requests for the simulator's scheduler tests."""
 import numpy as np
 
-from penelope.sim.workloads import HUMAN, Request
+from penelope.sim.workloads.types import HUMAN, Request
 
 
 def sim_request(keys, input_tokens: int, output_tokens: int = 1, *, tail_key: int, source: str,

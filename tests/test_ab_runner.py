@@ -19,8 +19,8 @@ from penelope.loadgen.summary import summarize
 from penelope.loadgen.target import probe_server
 from penelope.loadgen.tokens import TokenSpace
 from penelope.sim.stats import Estimate, paired_changes
-from penelope.sim.synthetic import SyntheticConfig, generate
-from penelope.sim.workloads import ThinkTime
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
+from penelope.sim.workloads.types import ThinkTime
 
 SETUP = ServerSetup(model="/m", pool=4096, tlru=TLRUParams(1100, 76))
 SMALL = SyntheticConfig(sessions=3, requests_per_session=4, requests_spread=0.0, prefix_tokens=640, max_context=8192,
@@ -389,7 +389,7 @@ def test_the_floor_of_an_open_loop_run_skips_failed_requests(tmp_path):
     """Mooncake JSONL (open loop, every prompt from its own blocks): a failed request leaves the
     floor, the others' prompts are still rebuilt exactly, and a prompt reuses the blocks an
     earlier-sent prompt shares with it."""
-    from penelope.sim.mooncake import load_mooncake
+    from penelope.sim.workloads.mooncake import load_mooncake
 
     rows = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
             {"timestamp": 100, "input_length": 1024, "output_length": 8, "hash_ids": [1, 3]},

@@ -16,8 +16,8 @@ from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.replay import Replay
 from penelope.sim.run import parse_policies
-from penelope.sim.synthetic import SyntheticConfig, generate
 from penelope.sim.timemodel import TimeModel
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
 
 SGLANG = ["sglang-lru", "sglang-lfu", "sglang-slru", "sglang-tlru", "sglang-session"]
 

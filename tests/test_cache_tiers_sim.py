@@ -18,7 +18,7 @@ from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.run import SimConfig, make_cache
 from penelope.sim.scheduler import Scheduler
-from penelope.sim.workloads import request_tokens
+from penelope.sim.workloads.types import request_tokens
 
 TRACES = WEKA_TRACES
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from penelope.cli import main
-from penelope.sim.mooncake import load_mooncake
-from penelope.sim.mooncake_like import MooncakeLikeConfig, write_jsonl
+from penelope.sim.workloads.mooncake import load_mooncake
+from penelope.sim.workloads.mooncake_like import MooncakeLikeConfig, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_offered_load_leaves_out_requests_that_never_fit(tmp_path, capsys):
 def test_analyze_explains_an_overload_estimate_the_replay_did_not_confirm(traces, tmp_path, capsys, monkeypatch):
     """The estimate says one server is overloaded; with a saturation floor the replay's backlog
     never reaches (a short trace), the verdict says why the two differ."""
-    from penelope.sim import saturation
+    from penelope.sim.fleet import saturation
 
     monkeypatch.setattr(saturation, "MIN_SATURATED_WAIT", 1e9)
     payload = run_json(tmp_path, "analyze", str(traces["heavy"]), "--gpu-cache", "128K", "--replicas", "1")

@@ -205,7 +205,7 @@ def test_bad_weka_traces(tmp_path, capsys, trace, message):
 
 
 def test_deep_but_parsable_subagents_are_counted_without_recursion(tmp_path):
-    from penelope.sim.weka import _count_entries, load_weka
+    from penelope.sim.workloads.weka import _count_entries, load_weka
 
     path = tmp_path / "t.json"
     path.write_text(nested_subagents_text(300))
@@ -325,7 +325,7 @@ def test_replays_are_checked_against_memory_before_they_start(monkeypatch, capsy
                                   ["--gpu-cache", "nan"], ["--max-context", "0"], ["--sessions", "0"],
                                   ["--repeat", "2", "--band", "2"], ["--policies", "lru"]])
 def test_option_errors_are_found_before_the_workload_is_loaded(args, monkeypatch, capsys):
-    from penelope.sim import options
+    from penelope.commands import workload_options as options
 
     def loaded(*args, **kwargs):
         raise AssertionError("the workload was loaded before the options were checked")

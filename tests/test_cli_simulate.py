@@ -157,9 +157,9 @@ def test_malformed_trace_names_the_file(tmp_path, capsys):
 
 
 def test_policy_lists_and_think_time_options():
-    from penelope.sim.options import parse_think_time
+    from penelope.commands.workload_options import parse_think_time
     from penelope.sim.run import parse_policies
-    from penelope.sim.workloads import ThinkTime
+    from penelope.sim.workloads.types import ThinkTime
 
     assert parse_policies("ablation") == SIX
     # Aliases of one policy count once; the baseline is added in front when missing.

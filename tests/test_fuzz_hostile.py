@@ -28,11 +28,11 @@ from penelope.cache.manager import KVCache
 from penelope.cli import main
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
-from penelope.sim.mooncake import load_mooncake
 from penelope.sim.replay import Replay
 from penelope.sim.timemodel import CALIBRATION_KEYS, TimeModel
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import MAX_CLOCK
+from penelope.sim.workloads.mooncake import load_mooncake
+from penelope.sim.workloads.types import MAX_CLOCK
+from penelope.sim.workloads.weka import load_weka
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 _NUMBER = itertools.count()

@@ -20,7 +20,8 @@ from penelope.loadgen.server import CPU_ARGS, CPU_ENV, ServerSpec, SGLangServer
 from penelope.loadgen.summary import summarize
 from penelope.loadgen.target import probe_server
 from penelope.loadgen.tokens import TokenSpace
-from penelope.sim.workloads import ThinkTime, load_workload
+from penelope.sim.workloads.load import load_workload
+from penelope.sim.workloads.types import ThinkTime
 
 STUB = Path(__file__).parent / "engine_stub"
 PAGE = 16

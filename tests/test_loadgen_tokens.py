@@ -8,9 +8,9 @@ from trace_paths import WEKA_TRACES
 
 from penelope.errors import UsageError
 from penelope.loadgen.tokens import SessionPrompts, TokenSpace, layout, planned_lengths
-from penelope.sim.synthetic import SyntheticConfig, generate
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import HUMAN, TOOL, Request, Session, frozen_keys
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
+from penelope.sim.workloads.types import HUMAN, TOOL, Request, Session, frozen_keys
+from penelope.sim.workloads.weka import load_weka
 
 SPACE = TokenSpace(vocab=1000, seed=3)
 

@@ -12,9 +12,10 @@ from penelope.loadgen.runner import LoadConfig, run_load
 from penelope.loadgen.summary import summarize
 from penelope.loadgen.target import probe_server
 from penelope.loadgen.tokens import TokenSpace
-from penelope.sim.synthetic import SyntheticConfig, generate
-from penelope.sim.turns import select_turns
-from penelope.sim.workloads import ThinkTime, load_workload
+from penelope.sim.workloads.load import load_workload
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
+from penelope.sim.workloads.turns import select_turns
+from penelope.sim.workloads.types import ThinkTime
 
 SMALL = SyntheticConfig(sessions=3, requests_per_session=6, requests_spread=0.0, prefix_tokens=640, max_context=8192,
                         first_prompt_median=300, tool_result_median=80, human_prompt_median=50, output_median=12,

@@ -13,8 +13,8 @@ from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.bound import recompute_bound
 from penelope.sim.replay import Replay
-from penelope.sim.synthetic import SyntheticConfig, generate
 from penelope.sim.timemodel import TimeModel
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
 
 COST = CostModel(get_model("qwen3-8b"))
 TIME = TimeModel.estimate("qwen3-8b")

@@ -9,11 +9,11 @@ from penelope.cli import main
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
-from penelope.sim.conversations import apply, by_prefix
-from penelope.sim.mooncake import load_mooncake
-from penelope.sim.mooncake_like import MooncakeLikeConfig, write_jsonl
 from penelope.sim.run import SimConfig, run_policy
 from penelope.sim.timemodel import TimeModel
+from penelope.sim.workloads.conversations import apply, by_prefix
+from penelope.sim.workloads.mooncake import load_mooncake
+from penelope.sim.workloads.mooncake_like import MooncakeLikeConfig, write_jsonl
 
 B = 512
 

@@ -17,7 +17,7 @@ from penelope.sim.perturb import PERTURBED_FIELDS, Perturbation
 from penelope.sim.run import SimConfig
 from penelope.sim.stats import LOSS, NO_DIFFERENCE, WIN, Estimate, paired_changes, t_quantile, t_two_sided
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import load_workload
+from penelope.sim.workloads.load import load_workload
 
 COST = CostModel(get_model("qwen3-8b"))
 MODEL = TimeModel.estimate("qwen3-8b")

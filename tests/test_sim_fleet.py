@@ -9,18 +9,18 @@ import pytest
 from test_sim_replay import COST, request, simple_time_model, workload
 
 from penelope.cache.manager import KVCache
+from penelope.commands.fleet_options import scale_time
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.ensemble import run_ensembles
-from penelope.sim.fleet_options import scale_time
-from penelope.sim.mooncake import load_mooncake
-from penelope.sim.mooncake_like import FIRST_INPUT, MooncakeLikeConfig, generate, mean_turns, write_jsonl
+from penelope.sim.fleet.router import make_router
+from penelope.sim.fleet.saturation import SATURATED_WAIT, offered_load
 from penelope.sim.replay import Replay
-from penelope.sim.router import make_router
 from penelope.sim.run import SimConfig, run_policy
-from penelope.sim.saturation import SATURATED_WAIT, offered_load
 from penelope.sim.timemodel import TimeModel
+from penelope.sim.workloads.mooncake import load_mooncake
+from penelope.sim.workloads.mooncake_like import FIRST_INPUT, MooncakeLikeConfig, generate, mean_turns, write_jsonl
 
 B = 64
 SHAPE = get_model("qwen3-8b")
@@ -236,7 +236,7 @@ def test_utilization_is_over_one_window_for_every_replica():
     its own window'."""
     from types import SimpleNamespace
 
-    from penelope.sim.saturation import measure
+    from penelope.sim.fleet.saturation import measure
 
     busy = SimpleNamespace(queue=[(0.0, 0), (90.0, 0)], last_finish=100.0, last_arrival=90.0, busy_time=80.0,
                            max_waiting=1)

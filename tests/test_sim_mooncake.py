@@ -1,12 +1,12 @@
-"""Mooncake JSONL loader (`penelope.sim.mooncake`): open-loop sessions and keys, arrival order,
+"""Mooncake JSONL loader (`penelope.sim.workloads.mooncake`): open-loop sessions and keys, arrival order,
 overlong requests, malformed lines and empty or missing files."""
 import numpy as np
 import pytest
 from workload_helpers import write_jsonl
 
 from penelope.errors import UsageError
-from penelope.sim.mooncake import load_mooncake
-from penelope.sim.workloads import WorkloadError
+from penelope.sim.workloads.mooncake import load_mooncake
+from penelope.sim.workloads.types import WorkloadError
 
 
 def test_mooncake_open_loop_sessions_and_keys(tmp_path):

@@ -14,8 +14,8 @@ from penelope.sim.analysis import unbounded_hit_rate
 from penelope.sim.metrics import session_jcts, summarize
 from penelope.sim.replay import Replay, decode_step_times
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import HUMAN, TOOL, Request, Session, Workload, WorkloadSummary
+from penelope.sim.workloads.types import HUMAN, TOOL, Request, Session, Workload, WorkloadSummary
+from penelope.sim.workloads.weka import load_weka
 
 B = 64
 TRACES = WEKA_TRACES

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from penelope.errors import UsageError
-from penelope.sim.router import RouterConfig, least_loaded, make_router, router_names
-from penelope.sim.router_tree import PrefixTree
-from penelope.sim.workloads import HUMAN, Request
+from penelope.sim.fleet.router import RouterConfig, least_loaded, make_router, router_names
+from penelope.sim.fleet.router_tree import PrefixTree
+from penelope.sim.workloads.types import HUMAN, Request
 
 B = 512
 

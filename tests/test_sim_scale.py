@@ -13,17 +13,17 @@ from trace_paths import WEKA_TRACES
 
 from penelope.cache.manager import KVCache
 from penelope.cli import main
+from penelope.commands.workload_options import load_from_args
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.loadgen.tokens import MAX_VOCAB, SessionPrompts, TokenSpace
 from penelope.sim.metrics import summarize
-from penelope.sim.options import load_from_args
 from penelope.sim.replay import Replay
-from penelope.sim.scale import scale_workload
-from penelope.sim.synthetic import SyntheticConfig, generate
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import common_prefix
+from penelope.sim.workloads.scale import scale_workload
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
+from penelope.sim.workloads.types import common_prefix
+from penelope.sim.workloads.weka import load_weka
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "ab-table" / "ab.json"

@@ -11,7 +11,7 @@ from penelope.costmodel.shapes import get_model
 from penelope.errors import CacheFullError, UsageError
 from penelope.sim.scheduler import Job, Scheduler
 from penelope.sim.server import Server
-from penelope.sim.workloads import request_tokens
+from penelope.sim.workloads.types import request_tokens
 
 B = 64
 

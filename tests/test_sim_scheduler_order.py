@@ -18,7 +18,7 @@ from penelope.cache.manager import KVCache
 from penelope.cache.tiers import TwoTierCache
 from penelope.cache.tree import BlockState
 from penelope.sim.scheduler import Scheduler
-from penelope.sim.workloads import request_tokens
+from penelope.sim.workloads.types import request_tokens
 
 
 def resident_tokens(cache, job) -> int:

@@ -14,7 +14,7 @@ from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
 from penelope.sim.replay import Replay
 from penelope.sim.scheduler import Job, Scheduler
-from penelope.sim.workloads import Session, Workload, WorkloadSummary, reply_tokens, request_tokens
+from penelope.sim.workloads.types import Session, Workload, WorkloadSummary, reply_tokens, request_tokens
 
 B = 64
 HISTORY = [1, 2, 3, 4, 5, 6]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from penelope.errors import UsageError
-from penelope.sim.synthetic import SyntheticConfig, generate
-from penelope.sim.workloads import HUMAN, SESSION_KEY_STRIDE, TOOL, session_key_base, workload_stats
+from penelope.sim.workloads.synthetic import SyntheticConfig, generate
+from penelope.sim.workloads.types import HUMAN, SESSION_KEY_STRIDE, TOOL, session_key_base, workload_stats
 
 SHARED_BLOCKS = 15_600 // 64
 

@@ -1,4 +1,4 @@
-"""WEKA trace loader (`penelope.sim.weka`): the real Claude Code traces in shared/ (requests,
+"""WEKA trace loader (`penelope.sim.workloads.weka`): the real Claude Code traces in shared/ (requests,
 think times, kinds, keys and the shared prefix, context limits, sub-agents) and small traces by
 hand, malformed input and bad arguments."""
 import json
@@ -9,8 +9,8 @@ from trace_paths import WEKA_TRACES
 from workload_helpers import CONTEXT_128K, common_prefix
 
 from penelope.errors import UsageError
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import HUMAN, SESSION_KEY_STRIDE, TOOL, WorkloadError, session_key_base
+from penelope.sim.workloads.types import HUMAN, SESSION_KEY_STRIDE, TOOL, WorkloadError, session_key_base
+from penelope.sim.workloads.weka import load_weka
 
 TRACES = WEKA_TRACES
 

@@ -1,4 +1,4 @@
-"""The workload model (`penelope.sim.workloads`): request tokens from keys, workload statistics on
+"""The workload model (`penelope.sim.workloads.types`): request tokens from keys, workload statistics on
 the WEKA traces, think-time modes, loading by format, and request validation."""
 import numpy as np
 import pytest
@@ -6,8 +6,8 @@ from trace_paths import WEKA_TRACES
 from workload_helpers import CONTEXT_128K, common_prefix, write_jsonl
 
 from penelope.errors import UsageError
-from penelope.sim.weka import load_weka
-from penelope.sim.workloads import (
+from penelope.sim.workloads.load import load_workload
+from penelope.sim.workloads.types import (
     HUMAN,
     TOOL,
     Request,
@@ -15,10 +15,10 @@ from penelope.sim.workloads import (
     ThinkTime,
     Workload,
     WorkloadSummary,
-    load_workload,
     request_tokens,
     workload_stats,
 )
+from penelope.sim.workloads.weka import load_weka
 
 TRACES = WEKA_TRACES
 

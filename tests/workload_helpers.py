@@ -1,4 +1,4 @@
-"""Helpers shared by the workload loader tests (WEKA, Mooncake, `penelope.sim.workloads`)."""
+"""Helpers shared by the workload loader tests (WEKA, Mooncake, `penelope.sim.workloads.types`)."""
 import json
 
 import numpy as np

@@ -2,7 +2,7 @@
 
 Request lengths, the shared prefix, the hit rate of a cache that never evicts, the reuse
 distance, for an open-loop trace its offered load and the replicas it needs to stay below
-saturation (`penelope.sim.saturation`), and the estimated Penelope gain at one capacity from a
+saturation (`penelope.sim.fleet.saturation`), and the estimated Penelope gain at one capacity from a
 quick replay (SGLang vs Penelope, the same server model as `penelope simulate`, on that many
 replicas). See `penelope.sim.analysis`.
 """
@@ -14,8 +14,8 @@ from penelope.units import format_size
 
 
 def add_parser(subparsers) -> None:
-    from penelope.sim.fleet_options import add_fleet_arguments
-    from penelope.sim.options import add_workload_arguments
+    from penelope.commands.fleet_options import add_fleet_arguments
+    from penelope.commands.workload_options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
 
     parser = subparsers.add_parser(
@@ -52,16 +52,16 @@ def run(args) -> int:
 
     from penelope.commands.simulate import percent, prepare, progress_bar
     from penelope.commands.simulate_json import write_json
+    from penelope.commands.workload_options import workload_inputs
     from penelope.errors import UsageError
     from penelope.memory import check_memory
     from penelope.outputs import check_outputs
     from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
-    from penelope.sim.fleet_report import fleet_label, offered_load_lines
-    from penelope.sim.options import workload_inputs
+    from penelope.sim.fleet.report import fleet_label, offered_load_lines
+    from penelope.sim.fleet.saturation import MIN_SATURATED_WAIT, offered_load
     from penelope.sim.replay import replay_memory
     from penelope.sim.run import baseline_of, json_ready, run_policies
-    from penelope.sim.saturation import MIN_SATURATED_WAIT, offered_load
-    from penelope.sim.workloads import workload_stats
+    from penelope.sim.workloads.types import workload_stats
 
     if args.path is None and args.format != "synthetic":
         raise UsageError("analyze needs a trace PATH (or --format synthetic)")

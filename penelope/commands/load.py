@@ -15,10 +15,10 @@ MAX_REPEAT = 1000
 
 
 def add_parser(subparsers) -> None:
+    from penelope.commands.workload_options import add_workload_arguments
     from penelope.loadgen.apis import APIS, GENERATE
     from penelope.loadgen.prime import add_prime_argument
-    from penelope.sim.options import add_workload_arguments
-    from penelope.sim.turns import add_turn_arguments
+    from penelope.sim.workloads.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "load",
@@ -68,8 +68,10 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import dataclasses
 
+    from penelope.commands.fleet_options import check_time_scale, scale_time
     from penelope.commands.simulate import progress_bar
     from penelope.commands.simulate_json import write_json
+    from penelope.commands.workload_options import load_from_args, workload_inputs
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.client import Sampling
@@ -81,9 +83,7 @@ def run(args) -> int:
     from penelope.loadgen.target import base_url, probe_server
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_outputs
-    from penelope.sim.fleet_options import check_time_scale, scale_time
-    from penelope.sim.options import load_from_args, workload_inputs
-    from penelope.sim.turns import left_out_line, turn_arguments
+    from penelope.sim.workloads.turns import left_out_line, turn_arguments
 
     config = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
                         read_timeout=args.read_timeout, sampling=Sampling(temperature=args.temperature),

@@ -22,11 +22,11 @@ MAX_JOBS = 256
 
 
 def add_parser(subparsers) -> None:
+    from penelope.commands.fleet_options import add_fleet_arguments
+    from penelope.commands.workload_options import add_workload_arguments
     from penelope.loadgen.prime import add_prime_argument
-    from penelope.sim.fleet_options import add_fleet_arguments
-    from penelope.sim.options import add_workload_arguments
     from penelope.sim.timemodel import GPUS
-    from penelope.sim.turns import add_turn_arguments
+    from penelope.sim.workloads.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "simulate",
@@ -155,10 +155,10 @@ def ensemble_options(args):
 
 def run(args) -> int:
     from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
+    from penelope.commands.workload_options import workload_inputs
     from penelope.outputs import check_outputs
     from penelope.sim.ensemble import run_ensembles
-    from penelope.sim.fleet_report import saturation_warnings
-    from penelope.sim.options import workload_inputs
+    from penelope.sim.fleet.report import saturation_warnings
     from penelope.sim.run import parse_policies
     from penelope.sim.timemodel import TimeModel
 
@@ -241,7 +241,7 @@ def check_fleet_policies(policies: list[str], replicas: int) -> None:
 
 def print_tables(sweep: list, repeat: int, fleet: bool, per_replica: bool) -> None:
     """Each finished setting's table: ((capacity, router), ensemble) pairs."""
-    from penelope.sim.fleet_report import fleet_table
+    from penelope.sim.fleet.report import fleet_table
 
     for (capacity, _), ensemble in sweep:
         print()
@@ -291,19 +291,19 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
     processes, `repeat` runs of `policies` policies per setting) is checked before they start."""
     import dataclasses
 
+    from penelope.commands.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
+    from penelope.commands.workload_options import load_from_args
     from penelope.costmodel.recompute import CostModel
     from penelope.costmodel.shapes import get_model
     from penelope.errors import UsageError
     from penelope.loadgen.prime import check_prime
     from penelope.memory import check_memory
-    from penelope.sim import conversations
     from penelope.sim.ensemble import default_jobs
-    from penelope.sim.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
-    from penelope.sim.options import load_from_args
     from penelope.sim.replay import replay_memory
     from penelope.sim.run import SimConfig, default_gpu_cache
-    from penelope.sim.scale import check_scale, scale_workload
     from penelope.sim.timemodel import TimeModel
+    from penelope.sim.workloads import conversations
+    from penelope.sim.workloads.scale import check_scale, scale_workload
     from penelope.units import parse_size, parse_size_list
 
     shape = get_model(args.model)
@@ -330,7 +330,7 @@ def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: i
                   max_running_requests=getattr(args, "max_running_requests", 2048),
                   max_prefill_tokens=parse_size(getattr(args, "max_prefill_tokens", "16K"), "--max-prefill-tokens"))
 
-    # A scaled replay names every token by a key of its own (penelope.sim.scale): the cache then
+    # A scaled replay names every token by a key of its own (penelope.sim.workloads.scale): the cache then
     # keeps SGLang's pages, as the server it replays does; otherwise blocks of 64 tokens.
     block_size = limits["page_size"] if scale is not None else 64
     routers = routers_from_args(args, sweep=sweep_routers)
@@ -492,9 +492,9 @@ def kernel_statement(time_model) -> str:
 
 
 def print_offered_load(setup: dict) -> None:
-    """For an open-loop trace: its offered load against the servers (`penelope.sim.saturation`)."""
-    from penelope.sim.fleet_report import offered_load_lines
-    from penelope.sim.saturation import offered_load
+    """For an open-loop trace: its offered load against the servers (`penelope.sim.fleet.saturation`)."""
+    from penelope.sim.fleet.report import offered_load_lines
+    from penelope.sim.fleet.saturation import offered_load
 
     workload = setup["workload"]
     if workload.closed_loop:
@@ -509,7 +509,7 @@ def print_offered_load(setup: dict) -> None:
 def results_table(capacity: int, results: dict, config=None) -> str:
     """The per-policy table of one capacity (of `config`, a `SimConfig`), with SGLang's hit rate as
     the pressure."""
-    from penelope.sim.fleet_report import fleet_label
+    from penelope.sim.fleet.report import fleet_label
     from penelope.sim.run import baseline_of
 
     base = baseline_of(results)

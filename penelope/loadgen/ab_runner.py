@@ -55,7 +55,7 @@ from penelope.loadgen.runner import LoadConfig, RunResult, check_fits, run_load
 from penelope.loadgen.summary import RunSummary, summarize
 from penelope.loadgen.target import PROBE_TIMEOUT, Target, probe_server
 from penelope.loadgen.tokens import TokenSpace
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 # Run numbers of warm-up runs (in their session ids), apart from the measured rounds'.
 WARMUP_REPEAT = 1_000_000

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from penelope.loadgen.records import RequestRecord
 from penelope.loadgen.tokens import SessionPrompts, TokenSpace
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 
 def rebuilt_prompts(records: Sequence[RequestRecord], workload: Workload,

@@ -4,7 +4,7 @@ cannot apply or would leave nothing to measure."""
 from __future__ import annotations
 
 from penelope.errors import UsageError
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 
 def add_prime_argument(parser) -> None:

@@ -40,7 +40,7 @@ from penelope.loadgen.client import Sampling, request_body, stream_request
 from penelope.loadgen.records import RequestRecord
 from penelope.loadgen.target import Target, client_session, close_session, flush_cache
 from penelope.loadgen.tokens import SessionPrompts, TokenSpace, planned_lengths
-from penelope.sim.workloads import Request, Session, Workload
+from penelope.sim.workloads.types import Request, Session, Workload
 
 LAG_TICK = 0.02
 DONE, MAX_REQUESTS, DURATION = "done", "max_requests", "duration"

@@ -1,6 +1,6 @@
 """Token ids of a load-generator replay: deterministic per session, the server's replies in the history.
 
-A workload request names its prompt by block keys (`penelope.sim.workloads`): equal keys, equal
+A workload request names its prompt by block keys (`penelope.sim.workloads.types`): equal keys, equal
 content. Every block key becomes token ids hashed from (seed, key, offset) below the vocabulary
 size, so a key that many prompts hold (the tools+system prefix of WEKA and synthetic sessions, a
 Mooncake hash id) is the same token sequence in each of them. Fresh ids (text no key names) are
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from penelope.errors import UsageError
-from penelope.sim.workloads import Request, Session, common_prefix
+from penelope.sim.workloads.types import Request, Session, common_prefix
 
 # Domains of the hash, so key tokens, fresh tokens and stand-in replies never share a stream.
 _KEYS, _FRESH, _REPLY = 0, 1, 2

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from penelope.sim.metrics import RequestRecord, percentile
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 
 def shared_prefix(workload: Workload) -> dict[str, float]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 SWEEPS = 60
 

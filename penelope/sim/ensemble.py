@@ -34,7 +34,7 @@ from penelope.sim.perturb import Perturbation
 from penelope.sim.run import BASELINE, PolicyResult, SimConfig, compare_with_baseline, json_ready, run_policy
 from penelope.sim.stats import CONFIDENCE, Estimate
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 # Summary fields reported with an interval (times in s, sizes in tokens).
 METRIC_FIELDS = tuple(field.name for field in dataclasses.fields(Summary) if field.name not in ("requests", "sessions"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from penelope.sim.fleet_report import fleet_label
+from penelope.sim.fleet.report import fleet_label
 from penelope.sim.stats import NO_DIFFERENCE, Estimate
 from penelope.tables import format_table
 from penelope.units import format_size

@@ -20,7 +20,7 @@ import numpy as np
 
 from penelope.errors import UsageError
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 # Time-model constants scaled per run: compute speeds, per-batch overheads, bandwidths.
 PERTURBED_FIELDS = (

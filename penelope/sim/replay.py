@@ -7,7 +7,7 @@ Timing (seconds of simulated time):
   request finishes, the next session in workload order starts then.
 - Open loop (Mooncake): every request is sent at its `arrival`; `sessions` does not apply.
 - Each server (`penelope.sim.server.Server`) alternates prefill batches and decode runs on its own
-  clock. A request is routed when it is sent (`penelope.sim.router`; with one server it goes to
+  clock. A request is routed when it is sent (`penelope.sim.fleet.router`; with one server it goes to
   that one) and reaches its server at once: a decode run in progress stops after the step during
   which it arrived, then the server's scheduler sees it. A request's first token comes out of the
   batch that computes its last prompt chunk; its reply ends after `output_tokens - 1` decode steps
@@ -51,8 +51,8 @@ import numpy as np
 from penelope.cache.hints import FINISHED, Foresight, Hint
 from penelope.costmodel.recompute import CostModel
 from penelope.errors import UsageError
+from penelope.sim.fleet.router import Router
 from penelope.sim.metrics import RequestRecord
-from penelope.sim.router import Router
 from penelope.sim.scheduler import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -63,7 +63,7 @@ from penelope.sim.scheduler import (
 )
 from penelope.sim.server import MAX_DECODE_STEPS, Server, ServerCounters, decode_step_times
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import HUMAN, MAX_CLOCK, Workload
+from penelope.sim.workloads.types import HUMAN, MAX_CLOCK, Workload
 
 # Bookkeeping bytes per cached token (tree keys and slots, allocator tags and free list): 28-33
 # measured with long nodes, rounded up for histories split into many short nodes.
@@ -143,7 +143,7 @@ class Replay:
     """One replay of `workload`; call `run()` once.
 
     cache: a fresh `KVCache` (one server), or a sequence of them (one server each, behind
-    `router`, a `penelope.sim.router.Router` over that many replicas); time_model: seconds per
+    `router`, a `penelope.sim.fleet.router.Router` over that many replicas); time_model: seconds per
     batch; cost_model: attention pairs and recompute costs; sessions: concurrent closed-loop
     sessions; order: `"lpm"` or `"fcfs"`; chunk_size: chunk tokens per prefill batch; lpm_queue_max:
     the longest queue LPM sorts; page_size, max_prefill_tokens, max_running_requests: the

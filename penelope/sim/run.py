@@ -27,10 +27,10 @@ from penelope.costmodel.shapes import ModelShape, get_model
 from penelope.errors import UsageError
 from penelope.jsonfile import json_ready
 from penelope.sim.bracket import ORACLE, compare_with_oracle, oracle_bound
-from penelope.sim.fleet import FleetSummary, fleet_summary
+from penelope.sim.fleet.router import RouterConfig, check_router, make_router
+from penelope.sim.fleet.summary import FleetSummary, fleet_summary
 from penelope.sim.metrics import Summary, changes_against, summarize
 from penelope.sim.replay import Replay, ReplayResult
-from penelope.sim.router import RouterConfig, check_router, make_router
 from penelope.sim.scheduler import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -39,7 +39,7 @@ from penelope.sim.scheduler import (
     ORDERS,
 )
 from penelope.sim.timemodel import DEFAULT_GPU_CACHE, PAPER_GPU_CACHE, TimeModel
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 BASELINE = "leaf-tail-node"
 BASELINE_ALIAS = "sglang"
@@ -96,7 +96,7 @@ class SimConfig:
     """How the servers are simulated. Sizes in tokens (per replica); `cpu_cache` 0 means GPU only;
     `swap_buffer`: host rows reserved for loads when both tiers are full (two-tier cache, not in
     `cpu_cache`); `replicas`: servers, each with its own cache and scheduler, behind `router`
-    (`penelope.sim.router`; unused with one replica) configured by `routing`; `prime`: each
+    (`penelope.sim.fleet.router`; unused with one replica) configured by `routing`; `prime`: each
     closed-loop session's first request primes the cache and is left out of the figures
     (`penelope.sim.replay.Replay`); `page_size`, `max_prefill_tokens`, `max_running_requests`:
     the scheduler's (`penelope.sim.scheduler`)."""

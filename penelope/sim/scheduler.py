@@ -74,7 +74,7 @@ from penelope.cache.admission import admit
 from penelope.cache.manager import KVCache
 from penelope.cache.refill import RefillPlan, next_chunk, plan_refill
 from penelope.errors import CacheFullError, InvariantError, UsageError
-from penelope.sim.workloads import Request
+from penelope.sim.workloads.types import Request
 
 ORDERS = ("lpm", "fcfs")
 DEFAULT_CHUNK_SIZE = 8192

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from penelope.errors import UsageError
-from penelope.sim.workloads import Session, Workload
+from penelope.sim.workloads.types import Session, Workload
 
 MIN_BLOCKS = 2
 MODES = ("none", "prefix")

@@ -3,7 +3,7 @@ every replica kept up.
 
 - Per replica: the summary of the requests it served (`penelope.sim.metrics.Summary`: TTFT, hit
   rate, recompute cost; JCT over the part of each session it served), its busy seconds and its
-  saturation figures (`penelope.sim.saturation.ServerLoad`).
+  saturation figures (`penelope.sim.fleet.saturation.ServerLoad`).
 - Load imbalance: the busiest replica's busy seconds over the mean (1.0: perfectly even), and the
   same for requests served.
 The fleet's own TTFT, JCT and hit rate are the summary of all records (`PolicyResult.summary`).
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from penelope.sim.fleet.saturation import Saturation, ServerLoad, measure
 from penelope.sim.metrics import Summary, summarize
-from penelope.sim.saturation import Saturation, ServerLoad, measure
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ node reached; routing inserts the request's text under the chosen worker; a back
 evicts each tenant's least recently used leaves when its share of the tree exceeds a size limit.
 
 Here the text is the request's block keys (`Request.keys`): equal keys mean equal tokens and
-equal history before them (see `penelope.sim.workloads`), so a node per (position, key) pair is
+equal history before them (see `penelope.sim.workloads.types`), so a node per (position, key) pair is
 the per-block form of SGLang's character tree. Sizes are in tokens (one block each). Of the
 tenants of the deepest node, the one attached first (still attached) is named: SGLang names an
 arbitrary one (the first its hash map yields) and caches that choice on the node, so a node keeps

@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 from penelope.errors import UsageError
-from penelope.sim.router import (
+from penelope.sim.fleet.router import (
     BALANCE_ABS_THRESHOLD,
     BALANCE_REL_THRESHOLD,
     CACHE_THRESHOLD,
@@ -16,7 +16,7 @@ from penelope.sim.router import (
     check_router,
     router_names,
 )
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 
 def add_fleet_arguments(parser, sweep: bool = True, replicas_help: str = "default 1") -> None:

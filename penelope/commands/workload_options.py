@@ -9,9 +9,10 @@ from pathlib import Path
 from penelope.costmodel.shapes import model_path
 from penelope.errors import UsageError
 from penelope.sim.replay import check_clock_range
-from penelope.sim.turns import select_turns, turn_arguments
-from penelope.sim.weka import OVERFLOW_MODES, SUBAGENT_MODES
-from penelope.sim.workloads import FORMATS, ThinkTime, Workload, load_workload
+from penelope.sim.workloads.load import FORMATS, load_workload
+from penelope.sim.workloads.turns import select_turns, turn_arguments
+from penelope.sim.workloads.types import ThinkTime, Workload
+from penelope.sim.workloads.weka import OVERFLOW_MODES, SUBAGENT_MODES
 from penelope.units import parse_size
 
 DEFAULT_MAX_CONTEXT = "128K"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from penelope.errors import UsageError
 from penelope.jsonfile import parse_json
-from penelope.sim.workloads import (
+from penelope.sim.workloads.types import (
     HUMAN,
     MAX_CLOCK,
     Request,

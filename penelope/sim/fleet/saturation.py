@@ -43,7 +43,7 @@ from penelope.costmodel.recompute import CostModel
 from penelope.errors import UsageError
 from penelope.sim.analysis import unbounded_reuse
 from penelope.sim.timemodel import TimeModel
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 LATE_WINDOW = 0.1
 SATURATED_WAIT = 0.05

@@ -19,7 +19,7 @@ def _replicas(n: int) -> str:
 
 
 def offered_load_lines(load, capacity: int, replicas: int) -> list[str]:
-    """What `penelope.sim.saturation.OfferedLoad` says about servers of `capacity` tokens."""
+    """What `penelope.sim.fleet.saturation.OfferedLoad` says about servers of `capacity` tokens."""
     if load.span <= 0:
         return ["offered load: every request arrives at once (no rate); the replay is a batch job"]
     lines = [

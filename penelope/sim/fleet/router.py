@@ -13,7 +13,7 @@ random). The routers:
 - `cache-aware` (SGLang's default, `policies/cache_aware.rs` in `sgl-model-gateway`): when the
   loads are imbalanced, `max - min > balance_abs_threshold` AND
   `max > min * balance_rel_threshold`, the least loaded replica; otherwise the request is
-  matched against the router's approximate prefix tree (`penelope.sim.router_tree`) and goes to
+  matched against the router's approximate prefix tree (`penelope.sim.fleet.router_tree`) and goes to
   the replica named by the deepest match when the matched fraction of its input exceeds
   `cache_threshold`, else to the least loaded replica. Either way the request is inserted into
   the tree under the chosen replica. Every `eviction_interval` seconds each replica's part of the
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from penelope.errors import UsageError
-from penelope.sim.router_tree import PrefixTree
-from penelope.sim.workloads import Request
+from penelope.sim.fleet.router_tree import PrefixTree
+from penelope.sim.workloads.types import Request
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64

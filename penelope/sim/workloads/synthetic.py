@@ -26,7 +26,7 @@ import numpy as np
 
 from penelope.errors import UsageError
 from penelope.memory import check_memory
-from penelope.sim.workloads import (
+from penelope.sim.workloads.types import (
     HUMAN,
     TOOL,
     Request,

@@ -22,8 +22,8 @@ the blocks of each prompt + reply after the input's whole blocks in `Request.out
 simulator then caches the reply at finish (`reply_tokens`) and the next request's equal keys
 match it.
 
-Formats live in sibling modules (`weka.py`, `mooncake.py`, `synthetic.py`); `load_workload`
-picks one by name.
+The types of every workload; the trace readers live in sibling modules (`weka.py`,
+`mooncake.py`, `synthetic.py`) and import only these; `load.load_workload` picks one by name.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -39,7 +38,6 @@ from penelope.errors import UsageError
 
 TOOL, HUMAN = "tool", "human"
 KINDS = (TOOL, HUMAN)
-FORMATS = ("weka", "mooncake", "synthetic")
 
 # Trace ids of one session must stay below 2**31; tail keys use the upper half of the
 # session's 2**32 range, so neither can reach the next session's range.
@@ -337,36 +335,3 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.shape[0], b.shape[0])
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
-
-
-def load_workload(
-    format: str,
-    path: str | Path | list[str | Path] | None = None,
-    *,
-    max_context: int | None = None,
-    seed: int = 0,
-    **options,
-) -> Workload:
-    """Load a workload by format name (`FORMATS`). `path` is required except for `synthetic`;
-    `options` go to the format's loader (`load_weka`, `load_mooncake`, `SyntheticConfig`)."""
-    if format == "weka":
-        from penelope.sim.weka import load_weka
-
-        if path is None:
-            raise UsageError("the weka format needs a trace folder or files")
-        return load_weka(path, max_context=max_context, **options)
-    if format == "mooncake":
-        from penelope.sim.mooncake import load_mooncake
-
-        if path is None:
-            raise UsageError("the mooncake format needs a JSONL file")
-        return load_mooncake(path, max_context=max_context, **options)
-    if format == "synthetic":
-        from penelope.sim.synthetic import SyntheticConfig, generate
-
-        if path is not None:
-            raise UsageError("the synthetic format takes no trace path")
-        if max_context is not None:
-            options["max_context"] = max_context
-        return generate(SyntheticConfig(seed=seed, **options))
-    raise UsageError(f"unknown workload format {format!r}; choose from {', '.join(FORMATS)}")

@@ -37,7 +37,7 @@ import numpy as np
 
 from penelope.errors import UsageError
 from penelope.jsonfile import read_json
-from penelope.sim.workloads import (
+from penelope.sim.workloads.types import (
     HUMAN,
     MAX_TRACE_ID,
     TOOL,

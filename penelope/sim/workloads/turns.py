@@ -5,7 +5,7 @@ tokens (before any `--scale`): that request is the session's first, its whole hi
 prompt, sent at once (no wait before it), and the turns after it follow as recorded. A session
 that never reaches N is left out (counted in the loader's summary). This puts long histories in a
 short run: histories of 16K tokens at scale 8 without replaying the 50 turns that grow them.
-`--turns N` then keeps at most N requests of each session. `penelope.sim.options.load_from_args`
+`--turns N` then keeps at most N requests of each session. `penelope.commands.workload_options.load_from_args`
 applies both, before `--limit-sessions`.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from penelope.errors import UsageError
-from penelope.sim.workloads import Workload
+from penelope.sim.workloads.types import Workload
 
 BELOW_FROM_CONTEXT = "below_from_context"
 

@@ -35,7 +35,7 @@ import numpy as np
 from penelope.errors import UsageError
 from penelope.loadgen.tokens import TokenSpace, layout, planned_lengths
 from penelope.memory import check_memory
-from penelope.sim.workloads import Request, Session, Workload, frozen_keys
+from penelope.sim.workloads.types import Request, Session, Workload, frozen_keys
 
 # Keys of fresh and reply tokens start here; key tokens of trace keys stay below it.
 FRESH_BASE = 1 << 62
