@@ -34,7 +34,7 @@ KV memory: batch 8 at 128K needs 1M tokens of KV, 155 GB for Qwen3-8B, more than
 beside the weights. The pool is sized to the free memory, and grid points that do not fit are
 skipped and listed (``skipped``), so the fit uses what fits.
 
-On CPU the same code runs on tiny shapes in ``tests/test_microbench_decode.py`` (the step against
+On CPU the same code runs on tiny shapes in ``tests/microbench/test_decode.py`` (the step against
 the engine's forward, the fit against synthetic timings); it has not been timed on a GPU yet.
 
 Run: ``python -m pytest microbench/bench_decode.py --benchmark-json out.json -s`` (GPU).

@@ -7,7 +7,7 @@
   ratio of per-step times. Three rounds each; the ratio of the scheduler process's CPU seconds
   while serving (robust to other work on a shared machine; forward passes included, the same in
   both) and of the serve wall times, medians.
-- ``test_scenarios``: the scenarios of ``tests/test_sglang_engine.py`` (small pool; chunked
+- ``test_scenarios``: the scenarios of ``tests/sglang/test_engine.py`` (small pool; chunked
   prefill, rows, page size, retraction), each with Penelope, SGLang's default cache and a
   never-evicting reference: completed requests, identical tokens, the largest log-probability
   difference, and the prefill tokens (and their cost) each cache recomputed because of eviction.

@@ -27,12 +27,17 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
-import pytest
-import torch
-from machine import REPO, cpu_name, git, versions
-from telemetry import GpuTelemetry, gpu_record
+# pytest imports test files by path (--import-mode=importlib): the benchmarks' shared modules
+# (machine, timing, telemetry, ...) are found from this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from machine import REPO, cpu_name, git, versions  # noqa: E402
+from telemetry import GpuTelemetry, gpu_record  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -48,7 +48,7 @@ CONTEXT = 4096
 MAX_CONTEXT = 3072
 VOCAB = 1000
 CONFIGS = ("gpu", "two-tiers")
-# SGLang's strict memory checks (docs: tests/test_sglang_engine.py).
+# SGLang's strict memory checks (docs: tests/sglang/test_engine.py).
 NO_END = {"generates": False, "flushed": False, "held_after_flush": {}, "plugin_active": False, "counters": {}}
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
           "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}

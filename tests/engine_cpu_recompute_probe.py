@@ -1,4 +1,4 @@
-"""Run by tests/test_sglang_engine.py in its own process: SGLang's real Engine on CPU with a CPU
+"""Run by tests/sglang/test_engine.py in its own process: SGLang's real Engine on CPU with a CPU
 tier and chunks of 128 tokens. A history is pushed to the CPU tier by two others, then sent again
 asking for log-probabilities from its first token: SGLang matches none of it, so its chunks
 compute and insert blocks the CPU tier holds (this stopped the scheduler before). Prints a JSON

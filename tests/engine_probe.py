@@ -1,4 +1,4 @@
-"""What the Engine probe scripts share (run in their own processes by tests/test_sglang_engine.py):
+"""What the Engine probe scripts share (run in their own processes by tests/sglang/test_engine.py):
 a CPU Engine with Penelope's cache, seeded token draws and a blocking call with a timeout."""
 import asyncio
 import random

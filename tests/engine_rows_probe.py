@@ -1,4 +1,4 @@
-"""Run by tests/test_sglang_engine.py in its own process: SGLang's real Engine on CPU with two
+"""Run by tests/sglang/test_engine.py in its own process: SGLang's real Engine on CPU with two
 request rows, where a request with one hole (one phantom) and a fresh request arrive together.
 Prints a JSON line: finish reasons, cached tokens and the phantoms run."""
 import json

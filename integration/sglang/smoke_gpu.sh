@@ -2,7 +2,7 @@
 # GPU smoke test of the SGLang integration: `penelope verify --engine sglang --device cuda` (bf16)
 # with the project's venv (${PENELOPE_VENV:-.venv}, into which `pip install -e ".[sglang]"`
 # installed SGLang 0.5.23 with its CUDA dependencies). Not run by the test suite; CPU runs of the
-# same check are in tests/test_sglang_engine.py.
+# same check are in tests/sglang/test_engine.py.
 #
 # A small Qwen3 with random weights (no download), each configuration checked against the same
 # Engine on a pool that never evicts. "det": SGLang's deterministic inference (the runs agree to

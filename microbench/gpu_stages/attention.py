@@ -59,7 +59,7 @@ FULL = AttentionSetup(QWEN3_8B, check_contexts=(4096, 32 * 1024), contexts=(32 *
                       references=("sdpa_flash", "sdpa_cudnn", "sglang"))
 # The CPU: the interpreter runs the kernels, SDPA's math backend stands in for the GPU's backends
 # (which are tried too, and recorded as unavailable where they cannot run). fp16: the interpreter
-# computes SGLang's bf16 dots wrongly (see tests/test_kernels_ragged_attention.py). Two q heads
+# computes SGLang's bf16 dots wrongly (see tests/kernels/test_ragged_attention.py). Two q heads
 # per KV head, as on the GPU, but the fewest heads: the interpreter's time grows with them.
 REDUCED = AttentionSetup(AttentionShape(2, 1, 32, evict_start=64, append=16), check_contexts=(256,),
                          contexts=(256, 320), references=("sdpa_math", "sdpa_flash", "sdpa_cudnn", "sglang"),

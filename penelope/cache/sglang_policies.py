@@ -23,7 +23,7 @@ Priorities, smallest evicted first: `sglang-lru` the stamp; `sglang-lfu` (hit_co
 `sglang-slru` (hit_count >= protected_threshold, stamp); `sglang-tlru` (-1 if TEL-safe else 0,
 stamp), TEL-safe when the tokens above the node cover the conversation's budget
 max(history + next_prompt_estimate - threshold, 0); `sglang-session` (referenced, references,
-stamp). `tests/test_sglang_policy_equivalence.py` replays the same operations through SGLang's
+stamp). `tests/sglang/test_policy_equivalence.py` replays the same operations through SGLang's
 class and these ports and checks the same tokens are evicted in the same order.
 
 Settings follow SGLang's `--radix-eviction-policy-config`, as `name:key=value:...` in
