@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from penelope.commands.fields import as_flags, field_flags
 from penelope.errors import Interrupted, PenelopeError, UsageError
 
 # Subcommand name -> module in penelope.commands, in the order `--help` lists them.
@@ -55,12 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
 def check_no_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """An option given an empty text (`--trace ""`, a shell variable that was not set) is an
     error: no option of any command takes one, and read as a path it would mean the current
     folder or a default."""
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for action in subparsers.choices[args.command]._actions:
+    for action in command_parser(parser, args.command)._actions:
         value = getattr(args, action.dest, None)
         values = value if isinstance(value, list) else [value]
         if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
@@ -103,7 +108,9 @@ def _main(argv: list[str] | None) -> int:
         check_no_empty_values(parser, args)
         return int(module.run(args) or 0)
     except UsageError as err:
-        _say(f"penelope: error: {one_line(err)}")
+        # The library names the fields of its set-ups; the user typed flags.
+        flags = field_flags(command_parser(parser, args.command), **getattr(module, "FIELD_ARGUMENTS", {}))
+        _say(f"penelope: error: {one_line(as_flags(str(err), flags))}")
         return EXIT_USAGE
     except Interrupted as err:
         # A command that saved its partial results on Ctrl-C (or SIGTERM) says what it kept.

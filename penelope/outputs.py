@@ -94,12 +94,15 @@ def _check_not_input(flag: str, path: str, target: str, input_flag: str, input_p
                          "trace; write it elsewhere")
 
 
+MISSING_MATPLOTLIB = "plots need matplotlib: pip install 'penelope-kv[plot]'"
+
+
 def plot_formats() -> tuple[str, ...]:
     """File extensions matplotlib can write (png, pdf, svg, ...)."""
-    from penelope.plotting import pyplot
-
-    pyplot()
-    from matplotlib.backend_bases import FigureCanvasBase
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise UsageError(MISSING_MATPLOTLIB) from None
 
     return tuple(sorted(FigureCanvasBase.get_supported_filetypes()))
 

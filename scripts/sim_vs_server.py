@@ -197,9 +197,9 @@ def trace_of(workload: dict, given: str | None):
 
 def load_workload(ab: dict, trace: str | None):
     """The workload `penelope ab` replayed, scaled as its load generator scaled it."""
-    from penelope.commands.fleet_options import check_time_scale, scale_time
     from penelope.commands.workload_options import load_from_args
     from penelope.sim.workloads.scale import check_scale, scale_workload
+    from penelope.sim.workloads.time_scale import check_time_scale, scale_time
 
     work = {"workload": ab["workload"]}
     fmt = _field(work, "workload.format")

@@ -28,7 +28,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from penelope.cache.tree import BlockState
 from penelope.integration.sglang import hooks
-from penelope.integration.sglang.plugin import PenelopeOptions
+from penelope.integration.sglang.options import PenelopeOptions
 from penelope.integration.sglang.radix_cache import PenelopeRadixCache
 
 VOCAB = 50_000

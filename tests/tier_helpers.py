@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 
 from penelope.cache.manager import KVCache
-from penelope.cache.policy import policy_names
+from penelope.cache.policies import policy_names
 from penelope.cache.swap_executor import SwapExecutor
 from penelope.cache.tiers import TwoTierCache
 from penelope.cache.tree import BlockState

@@ -4,7 +4,8 @@ Penelope's ragged kernel. Importing this package imports SGLang; ``plugin.regist
 ``sglang.srt.plugins`` entry point."""
 
 from .keys import MatchRef
-from .plugin import PenelopeOptions, options_from, register
+from .options import PenelopeOptions, options_from
+from .plugin import register
 from .radix_cache import PenelopeRadixCache, SGLangSlots
 
 __all__ = ["MatchRef", "PenelopeOptions", "PenelopeRadixCache", "SGLangSlots", "options_from", "register"]

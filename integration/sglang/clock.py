@@ -27,7 +27,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .plugin import BACKEND_NAME, applied, register_around
+from .options import BACKEND_NAME
+from .patching import applied, register_around
 from .radix_cache import PenelopeRadixCache
 
 _RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"

@@ -47,7 +47,9 @@ import torch
 from sglang.srt.managers.schedule_batch import BaseFinishReason, Req
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from .plugin import applied, register_around
+from penelope.cache.phantom import segment_rows
+
+from .patching import applied, register_around
 from .radix_cache import PenelopeRadixCache
 
 logger = logging.getLogger(__name__)
@@ -304,11 +306,9 @@ def _keep_segments(original, runner, forward_batch, **kwargs):
 
 def extend_segments(reqs: list, prefix_lens: list[int], extend_lens: list[int], device="cpu") -> torch.Tensor:
     """int32 [len(reqs), 4] rows (req_row, q_start, pos_start, length) of an extend batch, on `device`."""
-    rows, start = [], 0
-    for req, prefix, length in zip(reqs, prefix_lens, extend_lens, strict=True):
-        rows.append((req.kv.req_pool_idx, start, prefix, length))
-        start += length
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+    spans = [(req.kv.req_pool_idx, prefix, length)
+             for req, prefix, length in zip(reqs, prefix_lens, extend_lens, strict=True)]
+    return torch.from_numpy(segment_rows(spans)).to(device)
 
 
 def release_phantom_rows(reqs: list, req_to_token_pool) -> None:

@@ -64,7 +64,7 @@ from .events import KVEvents
 from .hints import book_counters, wait_kind
 from .host_tier import HostKV, host_tokens, kv_bytes_per_token
 from .keys import MatchRef, Namespaces, key_tokens, phantom_eligible, whole_number
-from .plugin import PenelopeOptions
+from .options import PenelopeOptions
 from .slots import SGLangSlots
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from penelope.errors import UsageError
 
 from .backends import phantoms_allowed, prefill_backend
 from .host_tier import check_fits
-from .plugin import BACKEND_NAME, PenelopeOptions, options_from
+from .options import BACKEND_NAME, PenelopeOptions, options_from
 
 logger = logging.getLogger(__name__)
 _GB = 1 << 30

@@ -1,9 +1,9 @@
-"""Agent-aware and cost-aware eviction: the published alternatives, Penelope with an agent-aware
-choice of victim, and the offline oracle.
+"""Agent-aware and cost-aware eviction: the published alternatives, `private-head-block` with an
+agent-aware choice of victim, and the offline oracle.
 
-Penelope's grid (`penelope.cache.policy`) answers WHERE to evict inside a history. These policies also
-choose WHICH history goes first, from what the server tells the cache (`penelope.cache.hints`: the kind
-of wait a session is in, the time) and from the cost model:
+The grid (`penelope.cache.policy`) answers WHERE to evict inside a history. These policies also
+choose WHICH history goes first (their `priority`), from what the server tells the cache
+(`penelope.cache.hints`: the kind of wait a session is in, the time) and from the cost model:
 
 - `ttl` (Continuum / CacheTTL, Li et al., arXiv 2511.02230): after a request whose reply ends in a
   tool call, its session's KV is pinned for a time-to-live; SGLang's tail eviction (whole leaves,
@@ -16,8 +16,8 @@ of wait a session is in, the time) and from the cost model:
 - `flop-recency` (Marconi, Pan et al., MLSys 2025): whole leaves from the tail, ordered by
   normalized recency + alpha * normalized FLOP efficiency (recompute cost saved per token held);
   alpha = 1 (Marconi tunes alpha online; fixed here).
-- `penelope-agent`: Penelope's position (the front of the private history, only the blocks
-  needed) with the victim session chosen by the expected cost of losing its blocks: the
+- `penelope-agent`: `private-head-block`'s position (the front of the private history, only the
+  blocks needed) with the victim session chosen by the expected cost of losing its blocks: the
   recompute cost of the next block to go (the cost model) times the chance that its session
   returns within a short window h, about h / R for a session whose remaining wait is R. R is the
   median remaining wait of the waits observed so far in this run of the session's kind (tool or
@@ -46,7 +46,8 @@ import math
 import numpy as np
 
 from penelope.cache.hints import ARRIVED, TOOL, WaitBook, Waiting
-from penelope.cache.policy import EvictionPolicy, PrivateHeadPolicy, TailPolicy, register
+from penelope.cache.policy import EvictionPolicy, PrivateHeadPolicy, TailPolicy, private_history_start
+from penelope.cache.registry import register
 from penelope.cache.tree import BlockState, Node, RadixTree, Released
 
 _MISSING = int(BlockState.MISSING)
@@ -131,7 +132,7 @@ class TtlPolicy(HintedPolicy, TailPolicy):
         if not len(waits):
             # Cold start: no tool wait observed yet, nothing to size a pin with.
             return 0.0
-        private = PrivateHeadPolicy.first_node(self, tree, end).start
+        private = private_history_start(tree, end).start
         held = end.end - private
         benefit = self.cost_model.span_cost(private, end.end) * (1 + self.book.in_system)
         hold_cost = held / max(self.capacity, 1) * self.deleted_cost_rate()
@@ -139,7 +140,7 @@ class TtlPolicy(HintedPolicy, TailPolicy):
         best = int(np.argmax(utility))
         return float(waits[best]) if utility[best] > 0 else 0.0
 
-    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
+    def priority(self, tree: RadixTree, node: Node) -> tuple:
         now = self.book.now
         pinned = any(record.pin_until > now for record in self.records_for(tree, node))
         return (pinned, node.last_access)
@@ -163,7 +164,7 @@ class FlopRecency(TailPolicy):
         self._recency = (min(stamps), max(stamps))
         self._efficiency_range = (min(efficiency), max(efficiency))
 
-    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
+    def priority(self, tree: RadixTree, node: Node) -> tuple:
         low, high = self._recency or (node.last_access, node.last_access)
         recency = (node.last_access - low) / (high - low) if high > low else 1.0
         low, high = self._efficiency_range or (0.0, 0.0)
@@ -176,8 +177,9 @@ class FlopRecency(TailPolicy):
 
 
 def front_block_cost(policy: PrivateHeadPolicy, tree: RadixTree, node: Node) -> float:
-    """Recompute cost of the next block `policy` (Penelope's eviction point) would take from the
-    private history that ends at `node` (its first resident block); 0 when none is resident."""
+    """Recompute cost of the next block `policy` (`private-head-block`'s eviction point) would take
+    from the private history that ends at `node` (its first resident block); 0 when none is
+    resident."""
     bs = tree.block_size
     for part in policy.victim_nodes(tree, node):
         resident = np.flatnonzero(part.state != _MISSING)
@@ -189,14 +191,15 @@ def front_block_cost(policy: PrivateHeadPolicy, tree: RadixTree, node: Node) -> 
 
 @register("penelope-agent")
 class PenelopeAgent(HintedPolicy, PrivateHeadPolicy):
-    """Penelope's eviction point, the victim session by expected loss (see the module docstring)."""
+    """`private-head-block`'s eviction point, the victim session by expected loss (see the module
+    docstring)."""
 
     whole_node = False
     prefetches = True
     # A prefetch displaces GPU victims only when it is worth this many times more than they are.
     PREFETCH_MARGIN = 2.0
 
-    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
+    def priority(self, tree: RadixTree, node: Node) -> tuple:
         return (self.expected_loss(tree, node), node.last_access)
 
     def expected_loss(self, tree: RadixTree, node: Node) -> float:
@@ -258,7 +261,7 @@ class Oracle(HintedPolicy, PrivateHeadPolicy):
         starts = node.start + np.arange(node.n_blocks) * bs
         return np.flatnonzero((starts + bs > reuse) & (node.state != _MISSING))
 
-    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
+    def priority(self, tree: RadixTree, node: Node) -> tuple:
         """Dead blocks first; then the largest time to next use per unit of recompute cost of the
         next block to go (farthest next use, weighed by what losing the block costs)."""
         next_use, reuse = self._future(tree, node)

@@ -26,12 +26,21 @@ import numpy as np
 
 from penelope.cache.arguments import count
 from penelope.cache.manager import NO_HASHES, EvictResult, KVCache, LockHandle, Span
+from penelope.cache.policies import DEFAULT_POLICY
 from penelope.cache.slots import EMPTY_SLOTS, HostSlots, concat_slots
 from penelope.cache.tree import BlockState, Node, Released
 from penelope.errors import InvariantError, UsageError
 
 # Host slots a CPU tier and its swap buffer can have: the tree stores slots as int32.
 MAX_HOST_SLOTS = 2**31
+
+
+def check_host_slots(cpu_capacity: int, swap_buffer: int, cpu: str = "CPU tier", swap: str = "swap buffer") -> None:
+    """The host slots (the CPU tier and its swap buffer) must be addressable: fewer than 2**31.
+    `cpu` and `swap` name the two sizes in the error."""
+    if cpu_capacity + swap_buffer >= MAX_HOST_SLOTS:
+        raise UsageError(f"{cpu} {cpu_capacity} + {swap} {swap_buffer} is beyond the 2**31 host slots the cache "
+                         "can address")
 
 
 def _rows():
@@ -168,7 +177,7 @@ class TieredCache(KVCache, ABC):
     # Whether the cache exchanges blocks through a swap buffer (then at least one block of it).
     needs_swap_buffer: ClassVar[bool] = False
 
-    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, policy="penelope",
+    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, policy=DEFAULT_POLICY,
                  cost_model=None, allocator=None, track_recompute: bool = True, keep_plans: bool = True,
                  swap_buffer: int = 0):
         super().__init__(gpu_capacity, block_size, policy, cost_model, allocator, track_recompute)
@@ -180,9 +189,7 @@ class TieredCache(KVCache, ABC):
         if cpu_capacity < self.block_size:
             raise UsageError(f"a two-tier cache needs a CPU tier of at least one block ({self.block_size} tokens), "
                              f"got {cpu_capacity}; use KVCache for a GPU-only cache")
-        if cpu_capacity + swap_buffer >= MAX_HOST_SLOTS:
-            raise UsageError(f"CPU tier {cpu_capacity} + swap buffer {swap_buffer} is beyond the 2**31 slots "
-                             "the tree can address")
+        check_host_slots(cpu_capacity, swap_buffer)
         self.gpu_capacity = self.capacity
         self.cpu_capacity = cpu_capacity
         self.host = HostSlots(cpu_capacity, swap_buffer)

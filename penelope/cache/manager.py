@@ -22,7 +22,8 @@ import numpy as np
 
 from penelope.cache.arguments import check_alloc_memory, count, int_array
 from penelope.cache.hints import Hint
-from penelope.cache.policy import EvictionPolicy, get_policy
+from penelope.cache.policies import DEFAULT_POLICY, get_policy
+from penelope.cache.policy import EvictionPolicy
 from penelope.cache.slots import EMPTY_SLOTS, DeviceSlots, SlotAllocator
 from penelope.cache.tree import BlockState, Node, RadixTree
 from penelope.costmodel.recompute import RecomputeCost
@@ -133,7 +134,7 @@ class CacheStats:
 class KVCache:
     """Block-granular radix-tree KV cache over a pool of `capacity` token slots.
 
-    `policy`: a registered name (see `penelope.cache.policy.policy_names`) or an EvictionPolicy (one
+    `policy`: a registered name (see `penelope.cache.policies.policy_names`) or an EvictionPolicy (one
     object per cache: policies may keep state).
     `cost_model`: a `penelope.costmodel.recompute.RecomputeCost`, for statistics and the policies that
     weigh recompute cost (without one, every token costs the same to them).
@@ -146,7 +147,7 @@ class KVCache:
     # The tree's class: a baseline that keeps more per node (host copies) subclasses RadixTree.
     tree_class: type[RadixTree] = RadixTree
 
-    def __init__(self, capacity: int, block_size: int = 64, policy: str | EvictionPolicy = "penelope",
+    def __init__(self, capacity: int, block_size: int = 64, policy: str | EvictionPolicy = DEFAULT_POLICY,
                  cost_model: RecomputeCost | None = None, allocator: DeviceSlots | None = None,
                  track_recompute: bool = True):
         block_size = count(block_size, "block_size")

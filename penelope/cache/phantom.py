@@ -172,6 +172,18 @@ class BatchLayout:
         return int(np.count_nonzero(self.phantom))
 
 
+def segment_rows(spans) -> np.ndarray:
+    """The segments of one forward, int32 `[N, 4]` rows `(req_row, q_start, pos_start, length)`,
+    from its `(req_row, pos_start, length)` spans in batch order: each span's queries follow the
+    previous span's. The one place a batch's holes and new tokens are laid out, for this
+    package's engine and for the SGLang plugin's phantom batches."""
+    rows, q_start = [], 0
+    for req_row, pos_start, length in spans:
+        rows.append((req_row, q_start, pos_start, length))
+        q_start += length
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 4)
+
+
 def build_batch(plans: list[RequestPlan]) -> BatchLayout:
     """Lay out the next forward of `plans`: every plan's segments (phantoms, then the real one).
 
@@ -181,7 +193,7 @@ def build_batch(plans: list[RequestPlan]) -> BatchLayout:
         raise UsageError("a batch needs at least one request plan")
     width = max(len(plan.slots) for plan in plans)
     table = np.full((len(plans), width), -1, dtype=np.int32)
-    tokens, segments, phantom, positions, output_rows = [], [], [], [], []
+    tokens, spans, phantom, positions, output_rows = [], [], [], [], []
     row = 0
     for req_row, plan in enumerate(plans):
         if np.any(plan.slots < 0):
@@ -193,7 +205,7 @@ def build_batch(plans: list[RequestPlan]) -> BatchLayout:
         for segment in sorted(plan.segments, key=lambda s: (not s.phantom, s.start)):
             if not len(segment):
                 continue
-            segments.append((req_row, row, segment.start, len(segment)))
+            spans.append((req_row, segment.start, len(segment)))
             tokens.append(plan.tokens[segment.start : segment.end])
             positions.append(np.arange(segment.start, segment.end, dtype=np.int64))
             phantom.append(np.full(len(segment), segment.phantom))
@@ -203,7 +215,7 @@ def build_batch(plans: list[RequestPlan]) -> BatchLayout:
     return BatchLayout(
         tokens=np.concatenate(tokens),
         req_to_token=table,
-        segments=np.asarray(segments, dtype=np.int32).reshape(-1, 4),
+        segments=segment_rows(spans),
         phantom=np.concatenate(phantom),
         positions=np.concatenate(positions),
         output_rows=np.asarray(output_rows, dtype=np.int64),

@@ -1,29 +1,31 @@
-"""Eviction policies: where to evict in the radix tree and how much at a time.
+"""Eviction policies: which victim, where in its history, and how much at a time.
 
-All policies share one loop (`EvictionPolicy.evict`): take the least-recently-used unlocked leaf
-that still holds resident KV, evict from it (or from the private history above it), prune what
-nothing can reuse any more, repeat until enough blocks are freed. Subclasses fix two choices,
-the paper's ablation grid:
+One loop (`EvictionPolicy.evict`) frees blocks until enough are free, pruning what nothing can
+reuse any more. It asks the policy three things:
 
-- where: `leaf tail` (delete blocks from the end of the leaf, as SGLang), `leaf head` (blocks at
-  the front of the leaf become a hole), `private head` (walk from the leaf toward the root to the
-  earliest block of its private history and evict from there, continuing forward);
-- how much: the whole node, or only the blocks still needed.
+- which victim: `priority(tree, leaf)` orders the unlocked leaves that still hold resident KV,
+  smallest first; least recently used here. `penelope.cache.agent_policy` and
+  `penelope.cache.sglang_policies` override it from hints, the cost model or SGLang's strategies.
+- where in the victim's history: `first_node` (the node eviction starts from), `from_tail`
+  (blocks come from the end of the leaf, else from the front of each node from `first_node` on)
+  and `_evict_leaf` (abstract: frees them). One base class per where: `TailPolicy` (the leaf's
+  tail, as SGLang), `HeadPolicy` (the leaf's head, which becomes a hole) and `PrivateHeadPolicy`
+  (the head of the private history: walk from the leaf toward the root to its earliest evictable
+  block, then continue forward).
+- how much: `whole_node` (every resident block of each node taken) or only the blocks needed.
 
-`private-head-block` is Penelope; `leaf-tail-node` is SGLang's RadixCache.
-
-Beyond the grid (`penelope.cache.agent_policy`), policies may also choose WHICH leaf goes first
-(`victim_key`, least recently used by default) from hints the cache forwards (`observe`: the kind
-of wait a session is in and the time, `penelope.cache.hints`) and from the cost model (`bind`).
-
-The same two choices order demotions in the two-tier cache (`penelope.cache.tiers`): `from_tail` and
-`victim_nodes` tell which nodes a victim's blocks come from and in which direction they are taken.
+The paper's ablation grid is the six where x how-much classes at the end of this module, all
+least recently used first: `private-head-block` is Penelope's policy, `leaf-tail-node` is SGLang's
+RadixCache. The two-tier cache (`penelope.cache.tiers`) demotes in the same places
+(`victim_nodes`, `from_tail`). `penelope.cache.policies` finds a policy by name.
 """
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from penelope.cache.registry import register
 from penelope.cache.tree import Node, RadixTree, Released
 from penelope.costmodel.recompute import RecomputeCost, TokenCost
 from penelope.errors import UsageError
@@ -32,49 +34,6 @@ from penelope.errors import UsageError
 PAPER_GRID = ("leaf-tail-node", "leaf-tail-block", "leaf-head-node", "leaf-head-block",
               "private-head-node", "private-head-block")
 
-_REGISTRY: dict[str, type[EvictionPolicy]] = {}
-_CANONICAL: list[str] = []
-
-
-def register(name: str, *aliases: str, listed: bool = True):
-    """Class decorator: make a policy available by `name` and `aliases`; returns the class. An
-    ablation registers with `listed=False`: it is found by name but is not one of `policy_names()`
-    (so not in `--policies all`)."""
-
-    def decorate(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
-        keys = (name, *aliases)
-        taken = [key for key in keys if key in _REGISTRY]
-        if taken:
-            raise ValueError(f"eviction policy {taken[0]!r} registered twice")
-        for key in keys:
-            _REGISTRY[key] = cls
-        cls.name = name
-        if listed:
-            _CANONICAL.append(name)
-        return cls
-
-    return decorate
-
-
-def policy_names(aliases: bool = False) -> list[str]:
-    """Registered policy names (canonical ones in registration order; then, if asked, the aliases
-    and the unlisted ablations)."""
-    if not aliases:
-        return list(_CANONICAL)
-    return list(_CANONICAL) + sorted(k for k in _REGISTRY if k not in _CANONICAL)
-
-
-def get_policy(name: str) -> EvictionPolicy:
-    """A new policy object by name or alias, optionally followed by settings
-    (`name:key=value:...`, for the policies that take some); unknown names raise UsageError
-    listing the known."""
-    base, colon, settings = name.partition(":") if isinstance(name, str) else ("", "", "")
-    cls = _REGISTRY.get(base)
-    if cls is None:
-        known = ", ".join(policy_names(aliases=True))
-        raise UsageError(f"unknown eviction policy {name!r} (known: {known})")
-    return cls.from_settings(settings) if colon else cls()
-
 
 def is_candidate(tree: RadixTree, node: Node) -> bool:
     """An eviction victim: a live unlocked leaf that still holds resident KV."""
@@ -82,16 +41,28 @@ def is_candidate(tree: RadixTree, node: Node) -> bool:
             and node.lock_ref == 0 and node.n_resident > 0)
 
 
-class EvictionPolicy:
-    """Chooses which blocks to free. Subclasses set `whole_node` and implement `_evict_leaf`.
+def private_history_start(tree: RadixTree, leaf: Node) -> Node:
+    """The first node of `leaf`'s private history: walk from the leaf toward the root and stop
+    before a parent that is the root, is shared (more than one child), is locked by a running
+    request, or already holds no resident KV. Every node from there to the leaf has one child."""
+    node = leaf
+    while True:
+        parent = node.parent
+        if (parent is tree.root or len(parent.children) > 1 or parent.lock_ref > 0
+                or parent.n_resident == 0):
+            return node
+        node = parent
 
-    `from_tail`: the victim's blocks are taken from its end (else from the front of the chain
-    that starts at `first_node`). `uses_foresight`: the policy may receive the future in hints
-    (the offline oracle only). A policy object keeps state for one cache: do not share it."""
+
+class EvictionPolicy(ABC):
+    """Chooses which blocks to free (see the module docstring). A policy subclasses one where
+    (`TailPolicy`, `HeadPolicy`, `PrivateHeadPolicy`), sets `whole_node` and may override
+    `priority`.
+
+    `uses_foresight`: the policy may receive the future in hints (the offline oracle only). A
+    policy object keeps state for one cache: do not share it."""
 
     name: ClassVar[str] = ""
-    whole_node: ClassVar[bool] = False
-    from_tail: ClassVar[bool] = False
     uses_foresight: ClassVar[bool] = False
     # Asks a two-tier cache to prefetch `prefetch_candidates` when the caller advances the time;
     # a prefetch displaces GPU victims only when it is worth PREFETCH_MARGIN times more than they are.
@@ -120,36 +91,23 @@ class EvictionPolicy:
         self.capacity, self.block_size = capacity, block_size
         self.cost_model = cost_model if cost_model is not None else TokenCost()
 
-    def prepare(self, tree: RadixTree, candidates: list[Node]) -> None:
-        """Called with every victim candidate before they are ordered (a policy whose keys are
-        normalized over the candidates computes the normalization here); nothing here."""
+    # Which victim: `priority`, after `prepare`. `fresh_keys`: priorities can change while other
+    # victims are evicted (they read more than the victim's own recency), so every step orders
+    # the current candidates afresh.
+    fresh_keys: ClassVar[bool] = False
 
-    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
-        """Order of eviction victims, smallest first: least recently used here."""
+    def prepare(self, tree: RadixTree, candidates: list[Node]) -> None:  # noqa: B027 - a hook, empty unless a policy needs it
+        """Called with every victim candidate before they are ordered (a policy whose priorities
+        are normalized over the candidates computes the normalization here); nothing here."""
+
+    def priority(self, tree: RadixTree, node: Node) -> tuple:
+        """Order of eviction victims, smallest first (ties: the smaller node id): least recently
+        used here."""
         return (node.last_access,)
 
-    def observe(self, tree: RadixTree, tokens, hint) -> None:
-        """A hint about the request of `tokens` (int64 [n]; `penelope.cache.hints.Hint`); ignored here."""
-
-    def advance(self, now: float) -> None:
-        """The caller's clock reads `now` seconds; ignored by policies without time-based rules."""
-
-    def matched(self, tree: RadixTree, path: list[Node]) -> None:
-        """`KVCache.match` walked `path` (root first, stamped); its last node may be the upper
-        part of a split just made. Ignored here."""
-
-    def inserted(self, tree: RadixTree, path: list[Node], earlier: int = 0) -> None:
-        """`KVCache.insert` walked `path` (root first, stamped); a node may be the upper part
-        of a split just made, the last one a new leaf. `earlier`: the first tokens of the path
-        the same request inserted before (its checkpoints). Ignored here."""
-
-    def evicted(self, tree: RadixTree, released: Released) -> None:
-        """What one `evict` call deleted; ignored here."""
-
-    def prefetch_candidates(self, tree: RadixTree) -> list[tuple[float, Node]]:
-        """(value, node) of histories whose CPU blocks should come back to the GPU before their
-        request, most valuable first (policies with `prefetches`); none here."""
-        return []
+    # Where in the victim's history: `from_tail`, `first_node` and `victim_nodes` say which blocks
+    # eviction (and a two-tier cache's demotion) takes; `_evict_leaf` frees them.
+    from_tail: ClassVar[bool] = False
 
     def first_node(self, tree: RadixTree, leaf: Node) -> Node:
         """Where eviction from victim `leaf` starts: the leaf itself unless a policy walks up."""
@@ -165,10 +123,40 @@ class EvictionPolicy:
             chain.append(next(iter(chain[-1].children.values())))
         return chain
 
-    # Whether victim keys can change while other victims are evicted (they read more than the
-    # victim's own recency): then every step orders the current candidates afresh.
-    fresh_keys: ClassVar[bool] = False
+    @abstractmethod
+    def _evict_leaf(self, tree: RadixTree, leaf: Node, need: int, out: Released) -> Node:
+        """Free up to `need` blocks (all of each node's when `whole_node`) starting from victim
+        `leaf`, adding them to `out`; return the node to prune from."""
 
+    # How much: every resident block of each node the where visits, or only the blocks needed.
+    whole_node: ClassVar[bool] = False
+
+    # What the cache tells the policy: hooks for policies that keep state of their own.
+    def observe(self, tree: RadixTree, tokens, hint) -> None:  # noqa: B027 - a hook, empty unless a policy needs it
+        """A hint about the request of `tokens` (int64 [n]; `penelope.cache.hints.Hint`); ignored here."""
+
+    def advance(self, now: float) -> None:  # noqa: B027 - a hook, empty unless a policy needs it
+        """The caller's clock reads `now` seconds; ignored by policies without time-based rules."""
+
+    def matched(self, tree: RadixTree, path: list[Node]) -> None:  # noqa: B027 - a hook, empty unless a policy needs it
+        """`KVCache.match` walked `path` (root first, stamped); its last node may be the upper
+        part of a split just made. Ignored here."""
+
+    def inserted(self, tree: RadixTree, path: list[Node], earlier: int = 0) -> None:  # noqa: B027 - a hook, empty unless a policy needs it
+        """`KVCache.insert` walked `path` (root first, stamped); a node may be the upper part
+        of a split just made, the last one a new leaf. `earlier`: the first tokens of the path
+        the same request inserted before (its checkpoints). Ignored here."""
+
+    def evicted(self, tree: RadixTree, released: Released) -> None:  # noqa: B027 - a hook, empty unless a policy needs it
+        """What one `evict` call deleted; ignored here."""
+
+    def prefetch_candidates(self, tree: RadixTree) -> list[tuple[float, Node]]:
+        """(value, node) of histories whose CPU blocks should come back to the GPU before their
+        request, most valuable first (policies with `prefetches`); none here."""
+        return []
+
+    # The loop every policy shares: candidates in priority order, each evicted where the policy
+    # says, until enough blocks are free.
     def evict(self, tree: RadixTree, n_blocks: int) -> Released:
         """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
         locked node. Node policies may free more than asked."""
@@ -179,7 +167,7 @@ class EvictionPolicy:
                       and not leaf.children and leaf.alive and leaf is not root]
         if self.fresh_keys:
             return self._evict_fresh(tree, n_blocks, candidates, out)
-        heap = [(self.victim_key(tree, leaf), leaf.id, leaf) for leaf in candidates]
+        heap = [(self.priority(tree, leaf), leaf.id, leaf) for leaf in candidates]
         heapq.heapify(heap)
         while out.blocks < n_blocks and heap:
             leaf = heapq.heappop(heap)[2]
@@ -187,20 +175,20 @@ class EvictionPolicy:
                 continue
             survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
             if survivor is not None and is_candidate(tree, survivor):
-                heapq.heappush(heap, (self.victim_key(tree, survivor), survivor.id, survivor))
+                heapq.heappush(heap, (self.priority(tree, survivor), survivor.id, survivor))
         if out.blocks:
             self.evicted(tree, out)
         return out
 
     def _evict_fresh(self, tree: RadixTree, n_blocks: int, candidates: list[Node], out: Released) -> Released:
-        """The same loop, each victim the smallest key among the candidates as they are now
-        (pruning a sibling can lengthen a private history, changing its key)."""
+        """The same loop, each victim the smallest priority among the candidates as they are now
+        (pruning a sibling can lengthen a private history, changing its priority)."""
         while out.blocks < n_blocks:
             candidates = [leaf for leaf in candidates if is_candidate(tree, leaf)]
             if not candidates:
                 break
             self.prepare(tree, candidates)
-            leaf = min(candidates, key=lambda node: (self.victim_key(tree, node), node.id))
+            leaf = min(candidates, key=lambda node: (self.priority(tree, node), node.id))
             survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
             if survivor is not None and survivor not in candidates and is_candidate(tree, survivor):
                 candidates.append(survivor)
@@ -208,13 +196,10 @@ class EvictionPolicy:
             self.evicted(tree, out)
         return out
 
-    def _evict_leaf(self, tree: RadixTree, leaf: Node, need: int, out: Released) -> Node:
-        """Free up to `need` blocks starting from victim `leaf`; return the node to prune from."""
-        raise NotImplementedError
-
 
 class TailPolicy(EvictionPolicy):
-    """Delete blocks from the end of the leaf: nothing is left behind, no holes appear."""
+    """Where: the leaf's tail. Blocks go from the end of the leaf: nothing is left behind, no
+    holes appear."""
 
     from_tail = True
 
@@ -225,7 +210,10 @@ class TailPolicy(EvictionPolicy):
 
 
 class HeadPolicy(EvictionPolicy):
-    """Turn the front of a history into a hole, continuing forward along it toward the leaf."""
+    """Where: the leaf's head. The front of the history becomes a hole, continuing forward along
+    `victim_nodes` toward the leaf."""
+
+    from_tail = False
 
     def _evict_leaf(self, tree, leaf, need, out):
         for node in self.victim_nodes(tree, leaf):
@@ -240,22 +228,12 @@ class HeadPolicy(EvictionPolicy):
 
 
 class PrivateHeadPolicy(HeadPolicy):
-    def prefetch_candidates(self, tree: RadixTree) -> list[tuple[float, Node]]:
-        """(value, node) of histories whose CPU blocks should come back to the GPU before their
-        request, most valuable first (policies with `prefetches`); none here."""
-        return []
+    """Where: the head of the private history. Eviction starts at `private_history_start` and
+    continues forward, as `HeadPolicy`."""
 
     def first_node(self, tree: RadixTree, leaf: Node) -> Node:
-        """Walk from the leaf toward the root to the earliest evictable block of its private
-        history: stop before a parent that is the root, is shared (more than one child), is
-        locked by a running request, or already holds no resident KV."""
-        node = leaf
-        while True:
-            parent = node.parent
-            if (parent is tree.root or len(parent.children) > 1 or parent.lock_ref > 0
-                    or parent.n_resident == 0):
-                return node
-            node = parent
+        """The earliest evictable node of the leaf's private history (`private_history_start`)."""
+        return private_history_start(tree, leaf)
 
 
 @register("leaf-tail-node", "sglang")
@@ -286,8 +264,3 @@ class PrivateHeadNode(PrivateHeadPolicy):
 @register("private-head-block", "penelope")
 class PrivateHeadBlock(PrivateHeadPolicy):
     whole_node = False
-
-
-# The agent-aware and cost-aware policies register themselves after the grid, then SGLang's own
-# policies (unlisted: not in `--policies all`).
-from penelope.cache import agent_policy, sglang_policies  # noqa: E402, F401

@@ -32,11 +32,13 @@ Settings follow SGLang's `--radix-eviction-policy-config`, as `name:key=value:..
 from __future__ import annotations
 
 import re
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from penelope.cache.hints import FINISHED
-from penelope.cache.policy import TailPolicy, register
+from penelope.cache.policy import TailPolicy
+from penelope.cache.registry import register
 from penelope.cache.tree import Node, RadixTree, Released
 from penelope.errors import UsageError
 
@@ -58,8 +60,8 @@ class _Meta:
 
 
 class SGLangPolicy(TailPolicy):
-    """Whole leaves from the tail in the order of SGLang's strategy `priority` (see the module
-    docstring). A GPU-only cache: SGLang's host tier (HiCache) is another design."""
+    """Whole leaves from the tail in the order of SGLang's strategy priority (`strategy_priority`,
+    see the module docstring). A GPU-only cache: SGLang's host tier (HiCache) is another design."""
 
     whole_node = True
     splits_reply_off = True
@@ -108,11 +110,12 @@ class SGLangPolicy(TailPolicy):
             raise UsageError(f"{self.name} models SGLang's GPU radix cache: run it without a CPU tier")
         super().bind(capacity, block_size, cost_model)
 
-    def priority(self, node: Node, meta: _Meta) -> tuple:
-        raise NotImplementedError
+    @abstractmethod
+    def strategy_priority(self, node: Node, meta: _Meta) -> tuple:
+        """The priority of SGLang's strategy (its `get_priority`) from the node's metadata."""
 
-    def victim_key(self, tree: RadixTree, node: Node) -> tuple:
-        return self.priority(node, self.meta[node.id])
+    def priority(self, tree: RadixTree, node: Node) -> tuple:
+        return self.strategy_priority(node, self.meta[node.id])
 
     def _tick(self) -> float:
         self.clock += 1.0
@@ -176,13 +179,13 @@ class SGLangPolicy(TailPolicy):
 
 @register("sglang-lru", listed=False)
 class SGLangLRU(SGLangPolicy):
-    def priority(self, node, meta):
+    def strategy_priority(self, node, meta):
         return (meta.stamp,)
 
 
 @register("sglang-lfu", listed=False)
 class SGLangLFU(SGLangPolicy):
-    def priority(self, node, meta):
+    def strategy_priority(self, node, meta):
         return (meta.hits, meta.stamp)
 
 
@@ -190,7 +193,7 @@ class SGLangLFU(SGLangPolicy):
 class SGLangSLRU(SGLangPolicy):
     settings = {"protected_threshold": 2}
 
-    def priority(self, node, meta):
+    def strategy_priority(self, node, meta):
         return (int(meta.hits >= self.protected_threshold), meta.stamp)
 
 
@@ -208,7 +211,7 @@ class SGLangTLRU(SGLangPolicy):
             raise UsageError(f"{self.name}: threshold {self.threshold} must exceed next_prompt_estimate "
                              f"{self.next_prompt_estimate} (SGLang refuses it: T-LRU would be plain LRU)")
 
-    def priority(self, node, meta):
+    def strategy_priority(self, node, meta):
         budget = max(meta.history + self.next_prompt_estimate - self.threshold, 0)
         return (-1 if node.start >= budget else 0, meta.stamp)
 
@@ -244,7 +247,7 @@ class SGLangSession(SGLangPolicy):
         if self.close not in (0, 1):
             raise UsageError(f"{self.name}: close must be 1 (sessions close after their last request) or 0")
 
-    def priority(self, node, meta):
+    def strategy_priority(self, node, meta):
         return (meta.refs > 0, meta.refs, meta.stamp)
 
     def observe(self, tree: RadixTree, tokens, hint) -> None:

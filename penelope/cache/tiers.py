@@ -9,8 +9,8 @@ order, the eviction policy's:
 - demotion: when the GPU needs room, GPU blocks move to the CPU tier in the policy's order on the
   GPU view of the tree. Victims are unlocked nodes holding GPU blocks with none below them, least
   recently used first; from a victim the policy's walk picks the blocks (from the tail for the
-  leaf-tail policies, else forward from `policy.first_node`, so Penelope demotes the front of the
-  private history first) and only GPU blocks move. Demotions move the blocks needed, never more:
+  leaf-tail policies, else forward from `policy.first_node`, so `private-head-block` demotes the front
+  of the private history first) and only GPU blocks move. Demotions move the blocks needed, never more:
   moving loses nothing, so "whole node" applies to deletion only.
 So the CPU tier holds the blocks next in line for deletion, and deletions take them first.
 
@@ -38,6 +38,7 @@ import numpy as np
 
 from penelope.cache.host_tier import LoadResult, TieredCache, TierPlan, loaded_spans
 from penelope.cache.manager import LockHandle
+from penelope.cache.policies import DEFAULT_POLICY
 from penelope.cache.slots import EMPTY_SLOTS, concat_slots
 from penelope.cache.tree import BlockState, Node, RadixTree, Released
 from penelope.errors import CacheFullError, InvariantError
@@ -65,7 +66,7 @@ class _GpuView:
         heapq.heapify(self.heap)
 
     def entry(self, node: Node) -> tuple:
-        return (self.policy.victim_key(self.tree, node), node.id, node)
+        return (self.policy.priority(self.tree, node), node.id, node)
 
     def is_victim(self, node: Node) -> bool:
         return node.alive and node.n_gpu > 0 and self.below[node] == node.n_gpu and node.lock_ref == 0
@@ -94,7 +95,7 @@ class TwoTierCache(TieredCache):
 
     needs_swap_buffer: ClassVar[bool] = True
 
-    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, policy="penelope",
+    def __init__(self, gpu_capacity: int, cpu_capacity: int, block_size: int = 64, *, policy=DEFAULT_POLICY,
                  swap_buffer: int = DEFAULT_SWAP_BUFFER, cost_model=None, allocator=None,
                  track_recompute: bool = True, keep_plans: bool = True):
         super().__init__(gpu_capacity, cpu_capacity, block_size, policy=policy, cost_model=cost_model,

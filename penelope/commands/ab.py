@@ -14,10 +14,9 @@ MAX_REPEAT = 100
 
 
 def add_parser(subparsers) -> None:
-    from penelope.commands.workload_options import add_workload_arguments
+    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
     from penelope.loadgen.ab_configs import DEVICES, NAMES
     from penelope.loadgen.prime import add_prime_argument
-    from penelope.sim.workloads.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "ab",
@@ -106,10 +105,9 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from penelope.commands.fleet_options import check_time_scale, scale_time
     from penelope.commands.simulate import progress_bar
     from penelope.commands.simulate_json import write_json
-    from penelope.commands.workload_options import DEFAULT_MAX_CONTEXT, load_from_args
+    from penelope.commands.workload_options import DEFAULT_MAX_CONTEXT, left_out_line, load_from_args
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.ab_configs import CPU_ATTENTION, ServerSetup, TLRUParams, default_tlru, parse_configs
@@ -122,12 +120,13 @@ def run(args) -> int:
     from penelope.loadgen.server import CPU_ENV
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_folder
-    from penelope.sim.workloads.turns import left_out_line, turn_arguments
+    from penelope.sim.workloads.time_scale import check_time_scale, scale_time
+    from penelope.sim.workloads.turns import parse_turns
     from penelope.units import parse_size
 
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
-    from_context, _ = turn_arguments(args)
+    from_context, _ = parse_turns(args.from_context, args.turns)
     if args.warmup_requests is not None and args.warmup_requests < 1:
         raise UsageError(f"--warmup-requests must be at least 1, got {args.warmup_requests}")
     servers = RESIDENT if args.resident_servers else KEPT if args.keep_servers else FRESH

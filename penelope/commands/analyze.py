@@ -12,6 +12,9 @@ from __future__ import annotations
 from penelope.tables import format_table
 from penelope.units import format_size
 
+# The workload's `trace` field is this command's PATH (the library's errors name fields).
+FIELD_ARGUMENTS = {"trace": "path"}
+
 
 def add_parser(subparsers) -> None:
     from penelope.commands.fleet_options import add_fleet_arguments
@@ -50,13 +53,14 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import dataclasses
 
-    from penelope.commands.simulate import percent, prepare, progress_bar
+    from penelope.commands.simulate import percent, progress_bar, simulation_spec
     from penelope.commands.simulate_json import write_json
     from penelope.commands.workload_options import workload_inputs
     from penelope.errors import UsageError
     from penelope.memory import check_memory
     from penelope.outputs import check_outputs
     from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
+    from penelope.sim.api import prepare
     from penelope.sim.fleet.report import fleet_label, offered_load_lines
     from penelope.sim.fleet.saturation import MIN_SATURATED_WAIT, offered_load
     from penelope.sim.replay import replay_memory
@@ -67,34 +71,32 @@ def run(args) -> int:
         raise UsageError("analyze needs a trace PATH (or --format synthetic)")
     if args.gpu_cache and "," in args.gpu_cache:
         raise UsageError("--gpu-cache: analyze estimates the gain at one capacity")
-    args.cpu_cache = "0"
     check_outputs({"--json": args.json}, workload_inputs(args, args.path))
     chosen = args.replicas
     if chosen is not None and chosen < 1:
         raise UsageError(f"--replicas must be at least 1, got {chosen}")
     args.replicas = chosen or 1
-    args.replicas_chosen_later = chosen is None
-    setup = prepare(args, sweep_routers=False)
-    workload = setup["workload"]
-    capacity = setup["capacities"][0]
+    setup = prepare(simulation_spec(args, args.path), sweep_routers=False, replicas_chosen_later=chosen is None)
+    workload = setup.workload
+    capacity = setup.capacities[0]
     stats = workload_stats(workload)
     prefix = shared_prefix(workload)
     unbounded = unbounded_hit_rate(workload)
     load = None
     if not workload.closed_loop:
-        load = offered_load(workload, setup["time_model"], setup["cost"], capacity)
+        load = offered_load(workload, setup.time_model, setup.cost, capacity)
         if chosen is None and load.span > 0:
             args.replicas = load.replicas_needed(0.8)
             # `prepare` checked one replica's memory; every replica holds its own cache.
             check_memory(replay_memory(workload, capacity, 64) * args.replicas,
                          f"replaying {workload.num_requests:,} requests in a cache of {format_size(capacity)} tokens "
                          f"on each of {args.replicas} replicas")
-    config = dataclasses.replace(setup["make_config"](capacity), replicas=args.replicas)
+    config = dataclasses.replace(setup.make_config(capacity), replicas=args.replicas)
 
     policies = ["sglang", "penelope"]
     bar = progress_bar(workload.num_requests * len(policies), args.no_progress)
     try:
-        results = run_policies(workload, policies, config, setup["time_model"], setup["cost"], progress=bar)
+        results = run_policies(workload, policies, config, setup.time_model, setup.cost, progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -102,7 +104,7 @@ def run(args) -> int:
     shared = int(prefix["all_sessions"])
     reuse = reuse_summary(reuse_distances(base.replay.records, shared), shared, capacity)
 
-    describe = setup["config"]["workload"]
+    describe = setup.config["workload"]
     print(f"workload: {describe['format']} {describe['trace'] or ''}".rstrip()
           + f": {stats['sessions']:,} sessions, {stats['requests']:,} requests")
     print(format_table(
@@ -154,7 +156,7 @@ def run(args) -> int:
     penelope = results["penelope"]
     change = penelope.changes
     print(
-        f"estimated gain at {format_size(capacity)}{fleet_label(config)} ({setup['shape'].name}, "
+        f"estimated gain at {format_size(capacity)}{fleet_label(config)} ({setup.shape.name}, "
         f"{args.scheduler.upper()}): "
         f"hit rate SGLang {base.summary.hit_rate:.1%} -> Penelope {penelope.summary.hit_rate:.1%}; "
         f"TTFT mean {percent(change['ttft_mean'])}, p90 {percent(change['ttft_p90'])}, "
@@ -163,7 +165,7 @@ def run(args) -> int:
 
     if args.json:
         payload = {
-            "config": {**setup["config"], "gpu_cache": capacity},
+            "config": {**setup.config, "gpu_cache": capacity},
             "lengths": stats,
             "shared_prefix": prefix,
             "unbounded": unbounded,

@@ -5,7 +5,7 @@ import json
 
 from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model, model_path
-from penelope.outputs import check_outputs, save_figure, write_text
+from penelope.outputs import check_outputs, write_text
 from penelope.tables import format_table
 from penelope.units import format_size, parse_size, parse_size_list
 
@@ -84,7 +84,7 @@ def run(args) -> int:
 
 
 def _plot(path: str, model: str, predictions) -> None:
-    from penelope.plotting import pyplot
+    from penelope.plotting import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -94,6 +94,4 @@ def _plot(path: str, model: str, predictions) -> None:
     ax.set_ylabel("predicted speedup, tail / front eviction")
     ax.set_title(f"{model}: recompute cost of the next request")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -15,10 +15,9 @@ MAX_REPEAT = 1000
 
 
 def add_parser(subparsers) -> None:
-    from penelope.commands.workload_options import add_workload_arguments
+    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
     from penelope.loadgen.apis import APIS, GENERATE
     from penelope.loadgen.prime import add_prime_argument
-    from penelope.sim.workloads.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "load",
@@ -68,10 +67,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import dataclasses
 
-    from penelope.commands.fleet_options import check_time_scale, scale_time
     from penelope.commands.simulate import progress_bar
     from penelope.commands.simulate_json import write_json
-    from penelope.commands.workload_options import load_from_args, workload_inputs
+    from penelope.commands.workload_options import left_out_line, load_from_args, workload_inputs
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.client import Sampling
@@ -83,14 +81,15 @@ def run(args) -> int:
     from penelope.loadgen.target import base_url, probe_server
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_outputs
-    from penelope.sim.workloads.turns import left_out_line, turn_arguments
+    from penelope.sim.workloads.time_scale import check_time_scale, scale_time
+    from penelope.sim.workloads.turns import parse_turns
 
     config = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
                         read_timeout=args.read_timeout, sampling=Sampling(temperature=args.temperature),
                         hints=args.hints, prime=args.prime)
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
-    from_context, _ = turn_arguments(args)
+    from_context, _ = parse_turns(args.from_context, args.turns)
     for flag, value in (("--vocab", args.vocab), ("--context", args.context)):
         if value is not None and value < 2:
             raise UsageError(f"{flag} must be at least 2, got {value}")

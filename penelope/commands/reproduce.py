@@ -38,10 +38,11 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from penelope.cli import build_parser, main
-    from penelope.commands.simulate import ensemble_options
+    from penelope.commands.simulate import simulation_spec
     from penelope.costmodel.shapes import get_model, model_path
     from penelope.errors import UsageError
     from penelope.outputs import check_folder, check_outputs
+    from penelope.sim.api import ensemble_runs
     from penelope.units import parse_size, parse_size_list
 
     # Every input is checked before the first step, so a bad one costs nothing and no step's
@@ -81,7 +82,7 @@ def run(args) -> int:
             return error.code if isinstance(error.code, int) else 2
         if parsed.command == "simulate":
             # The replay options' ranges, checked before the first step writes anything.
-            ensemble_options(parsed)
+            ensemble_runs(simulation_spec(parsed))
             if parsed.limit_sessions is not None and parsed.limit_sessions < 1:
                 raise UsageError(f"--limit-sessions must be at least 1, got {parsed.limit_sessions}")
     for number, (title, argv) in enumerate(steps, 1):

@@ -15,18 +15,12 @@ import sys
 from penelope.tables import format_table
 from penelope.units import format_size
 
-# Ranges of the ensemble options: 10,000 runs per setting narrow an interval 40x below 6 runs'
-# already; each worker process holds the whole workload and its own caches.
-MAX_REPEAT = 10_000
-MAX_JOBS = 256
-
 
 def add_parser(subparsers) -> None:
     from penelope.commands.fleet_options import add_fleet_arguments
-    from penelope.commands.workload_options import add_workload_arguments
+    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
     from penelope.loadgen.prime import add_prime_argument
     from penelope.sim.timemodel import GPUS
-    from penelope.sim.workloads.turns import add_turn_arguments
 
     parser = subparsers.add_parser(
         "simulate",
@@ -124,56 +118,36 @@ def add_ensemble_arguments(parser) -> None:
     )
 
 
-def ensemble_options(args):
-    """(repeat, Perturbation or None, jobs or None: the default) from the options; perturbation
-    options need --repeat N >= 2."""
-    from penelope.errors import UsageError
-    from penelope.sim.perturb import DEFAULT_BAND, Perturbation
+def simulation_spec(args, trace: str | None = None):
+    """The `SimulationSpec` of a command's options (each field from the option of its name, where
+    the command has one; `trace`: the workload's path)."""
+    import dataclasses
 
-    repeat = args.repeat
-    if repeat < 1:
-        raise UsageError(f"--repeat must be at least 1, got {repeat}")
-    if repeat > MAX_REPEAT:
-        raise UsageError(f"--repeat must be at most {MAX_REPEAT:,}, got {repeat:,}")
-    if args.jobs is not None and args.jobs < 1:
-        raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
-    if args.jobs is not None and args.jobs > MAX_JOBS:
-        raise UsageError(f"--jobs must be at most {MAX_JOBS}, got {args.jobs:,} (each worker holds the whole workload)")
-    given = [flag for flag, value in (("--band", args.band), ("--jitter", args.jitter),
-                                      ("--perturb-seed", args.perturb_seed)) if value is not None]
-    if repeat == 1:
-        if given:
-            raise UsageError(f"{given[0]} applies to the runs of an ensemble: give --repeat N with N >= 2")
-        return 1, None, args.jobs
-    perturbation = Perturbation(
-        band=DEFAULT_BAND if args.band is None else args.band,
-        jitter=0.0 if args.jitter is None else args.jitter,
-        seed=0 if args.perturb_seed is None else args.perturb_seed,
-    )
-    return repeat, perturbation, args.jobs
+    from penelope.commands.workload_options import workload_spec
+    from penelope.sim.api import SimulationSpec
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimulationSpec)
+             if f.name != "workload" and hasattr(args, f.name)}
+    workload = workload_spec(args, trace) if hasattr(args, "max_context") else None
+    return SimulationSpec(**given, **({"workload": workload} if workload is not None else {}))
 
 
 def run(args) -> int:
     from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
     from penelope.commands.workload_options import workload_inputs
     from penelope.outputs import check_outputs
-    from penelope.sim.ensemble import run_ensembles
+    from penelope.sim.api import prepare, simulate
     from penelope.sim.fleet.report import saturation_warnings
-    from penelope.sim.run import parse_policies
-    from penelope.sim.timemodel import TimeModel
 
-    policies = parse_policies(args.policies)
-    if args.replicas is not None and args.replicas > 1:
-        check_fleet_policies(policies, args.replicas)
-    check_tier_policies(policies, args.cpu_cache)
-    repeat, perturbation, jobs = ensemble_options(args)
+    spec = simulation_spec(args, args.trace)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
-    setup = prepare(args, workers=jobs, repeat=repeat, policies=len(policies))
-    workload, config_json = setup["workload"], setup["config"]
+    setup = prepare(spec)
+    workload, config_json, policies = setup.workload, setup.config, setup.policies
     config_json["policies"] = policies
-    capacities, settings, jobs = setup["capacities"], setup["settings"], setup["jobs"]
+    capacities, settings, jobs = setup.capacities, setup.settings, setup.jobs
+    repeat, perturbation = setup.repeat, setup.perturbation
     config_json["gpu_cache"] = capacities if len(capacities) > 1 else capacities[0]
-    time_model: TimeModel = setup["time_model"]
+    time_model = setup.time_model
     print_config(config_json, time_model)
     fleet = args.replicas > 1
     if repeat > 1:
@@ -185,11 +159,7 @@ def run(args) -> int:
     bar = progress_bar(workload.num_requests * len(policies) * len(settings) * repeat, args.no_progress)
     finished: dict[int, object] = {}
     try:
-        ensembles = run_ensembles(
-            workload, policies, [setup["make_config"](c, router) for c, router in settings], time_model,
-            setup["cost"], repeat=repeat, perturbation=perturbation, jobs=jobs, progress=bar,
-            on_ensemble=finished.__setitem__,
-        )
+        ensembles = simulate(setup, progress=bar, on_ensemble=finished.__setitem__)
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -221,22 +191,11 @@ def run(args) -> int:
         if repeat > 1:
             from penelope.sim.ensemble_report import plot_ensembles
 
-            plot_ensembles(args.plot, first, setup["shape"].name)
+            plot_ensembles(args.plot, first, setup.shape.name)
         else:
-            plot_results(args.plot, [(c, e.runs[0]) for c, e in first], setup["shape"].name)
+            plot_results(args.plot, [(c, e.runs[0]) for c, e in first], setup.shape.name)
         print(f"wrote {args.plot}")
     return 0
-
-
-def check_fleet_policies(policies: list[str], replicas: int) -> None:
-    """The offline oracle's lower bound replays one cache: refuse it on several replicas."""
-    from penelope.cache.policy import get_policy
-    from penelope.errors import UsageError
-    from penelope.sim.bracket import ORACLE
-
-    if any(get_policy(name).name == ORACLE for name in policies):
-        raise UsageError(f"--policies: the {ORACLE} policy and its lower bound need one server, not --replicas "
-                         f"{replicas}")
 
 
 def print_tables(sweep: list, repeat: int, fleet: bool, per_replica: bool) -> None:
@@ -255,20 +214,6 @@ def print_tables(sweep: list, repeat: int, fleet: bool, per_replica: bool) -> No
             print(fleet_table(ensemble, per_replica))
 
 
-def check_tier_policies(policies: list[str], cpu_cache: str) -> None:
-    """SGLang's own policies (ported) model its GPU radix cache only: refuse them with a CPU tier
-    before the workload is loaded."""
-    from penelope.cache.policy import get_policy
-    from penelope.cache.sglang_policies import SGLangPolicy
-    from penelope.errors import UsageError
-    from penelope.units import parse_size
-
-    ported = [name for name in policies if isinstance(get_policy(name), SGLangPolicy)]
-    if ported and parse_size(cpu_cache, "--cpu-cache", allow_zero=True):
-        raise UsageError(f"--policies {','.join(ported)}: SGLang's own policies model its GPU radix cache; "
-                         "run them without --cpu-cache (the two tiers' baseline is sglang, HiCache-like)")
-
-
 def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
     from penelope.sim.stats import CONFIDENCE
 
@@ -278,155 +223,6 @@ def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
         "confidence": CONFIDENCE,
         "interval": "Student t over runs; changes paired run by run",
         **perturbation.as_dict(),
-    }
-
-
-def prepare(args, sweep_routers: bool = True, workers: int | None = 1, repeat: int = 1, policies: int = 2) -> dict:
-    """Everything both `simulate` and `analyze` need from the options: the workload (waits scaled
-    by --time-scale), the model, the time and cost models, the GPU capacities (the model's default
-    when none is given), the settings to replay ((capacity, router) pairs; one router unless
-    `sweep_routers`), a factory of `SimConfig`s by (capacity, router), and `jobs`: the worker
-    processes (`workers`; None: every core for an ensemble or a sweep, else 1). Options are
-    validated before the workload is loaded, and the memory the replays may reach (in up to `jobs`
-    processes, `repeat` runs of `policies` policies per setting) is checked before they start."""
-    import dataclasses
-
-    from penelope.commands.fleet_options import check_time_scale, routers_from_args, routing_from_args, scale_time
-    from penelope.commands.workload_options import load_from_args
-    from penelope.costmodel.recompute import CostModel
-    from penelope.costmodel.shapes import get_model
-    from penelope.errors import UsageError
-    from penelope.loadgen.prime import check_prime
-    from penelope.memory import check_memory
-    from penelope.sim.ensemble import default_jobs
-    from penelope.sim.replay import replay_memory
-    from penelope.sim.run import SimConfig, default_gpu_cache
-    from penelope.sim.timemodel import TimeModel
-    from penelope.sim.workloads import conversations
-    from penelope.sim.workloads.scale import check_scale, scale_workload
-    from penelope.units import parse_size, parse_size_list
-
-    shape = get_model(args.model)
-    if args.calibration:
-        time_model = TimeModel.from_json(args.calibration, shape, args.gpu)
-    else:
-        time_model = TimeModel.estimate(shape, args.gpu)
-    time_model = dataclasses.replace(time_model, phantom_kernel=getattr(args, "phantom_kernel", "fa3"))
-    capacities = parse_size_list(args.gpu_cache, "--gpu-cache") if args.gpu_cache else []
-    cpu_cache = parse_size(args.cpu_cache, "--cpu-cache", allow_zero=True)
-    if getattr(args, "swap_buffer", None) is not None and not cpu_cache:
-        raise UsageError("--swap-buffer applies to the two tiers: give --cpu-cache too")
-    swap_buffer = parse_size(getattr(args, "swap_buffer", None) or "1K", "--swap-buffer")
-    if cpu_cache and cpu_cache + swap_buffer >= 2**31:
-        raise UsageError(f"--cpu-cache {cpu_cache} + --swap-buffer {swap_buffer} is beyond the 2**31 host slots "
-                         "the cache can address")
-    chunk_size = parse_size(args.chunk_size, "--chunk-size")
-    scale = getattr(args, "scale", None)
-    if scale is not None:
-        check_scale(scale)
-    prime = getattr(args, "prime", False)
-    # `penelope analyze` shares this set-up without these options: SGLang's defaults.
-    limits = dict(page_size=getattr(args, "page_size", 1),
-                  max_running_requests=getattr(args, "max_running_requests", 2048),
-                  max_prefill_tokens=parse_size(getattr(args, "max_prefill_tokens", "16K"), "--max-prefill-tokens"))
-
-    # A scaled replay names every token by a key of its own (penelope.sim.workloads.scale): the cache then
-    # keeps SGLang's pages, as the server it replays does; otherwise blocks of 64 tokens.
-    block_size = limits["page_size"] if scale is not None else 64
-    routers = routers_from_args(args, sweep=sweep_routers)
-    routing = routing_from_args(args)
-    time_scale = check_time_scale(args.time_scale)
-    if args.conversations not in conversations.MODES:
-        conversations.apply(None, args.conversations)
-
-    def make_config(capacity: int, router: str = routers[0]) -> SimConfig:
-        return SimConfig(
-            gpu_cache=capacity,
-            cpu_cache=cpu_cache,
-            swap_buffer=swap_buffer,
-            sessions=args.sessions,
-            scheduler=args.scheduler,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            replicas=args.replicas,
-            **limits,
-            router=router,
-            routing=routing,
-            prime=prime,
-        )
-
-    capacities = capacities or [default_gpu_cache(shape)]
-    # With one replica the router has nothing to choose: one setting per capacity.
-    settings = [(c, router) for c in capacities for router in (routers if args.replicas > 1 else routers[:1])]
-    # Validate every option before the (slow) workload load and replays.
-    for capacity, router in settings:
-        make_config(capacity, router)
-    workload, description = load_from_args(args, getattr(args, "trace", None) or getattr(args, "path", None))
-    if args.conversations != "none":
-        workload = conversations.apply(workload, args.conversations)
-        description["sessions"] = len(workload.sessions)
-    description["conversations"] = args.conversations
-    description["closed_loop"] = workload.closed_loop
-    workload = scale_time(workload, time_scale)
-    description["time_scale"] = time_scale
-    check_prime(workload, prime=prime, sessions=args.sessions, max_requests=None)
-    description["prime"] = prime
-    if scale is not None:
-        # After --from-context, --turns and the waits, as the load generator scales (they count trace tokens).
-        workload = scale_workload(workload, scale)
-    description["scale"] = scale
-    smallest = min(r.input_tokens + r.output_tokens for _, _, r in workload.requests())
-    # --prime leaves each session's first request out of the figures: one of the others must fit.
-    measured = min(r.input_tokens + r.output_tokens for _, i, r in workload.requests() if i > 0) if prime else 0
-    for capacity in capacities:
-        if capacity < smallest:
-            raise UsageError(f"--gpu-cache {format_size(capacity)}: no request of the workload fits in it (the "
-                             f"smallest needs {smallest:,} tokens of input and output)")
-        if capacity < measured:
-            raise UsageError(f"--gpu-cache {format_size(capacity)}: no request --prime measures fits in it (the "
-                             f"smallest needs {measured:,} tokens of input and output; the first turns it leaves "
-                             "out are smaller)")
-    if workers is None:
-        workers = default_jobs() if repeat > 1 or len(settings) > 1 else 1
-    jobs = workers
-    # Caches grow as they fill: what the largest one may reach must fit, in every replica of every
-    # worker process.
-    workers = min(workers, repeat * policies * len(settings))
-    concurrent = args.sessions if workload.closed_loop else 64
-    need = replay_memory(workload, max(capacities) + cpu_cache, max(1, concurrent)) * args.replicas * workers
-    where = f" in {workers} processes" if workers > 1 else ""
-    replicas = f" on each of {args.replicas} replicas" if args.replicas > 1 else ""
-    check_memory(need, f"replaying {workload.num_requests:,} requests in a cache of "
-                 f"{format_size(max(capacities) + cpu_cache)} tokens{replicas}{where}")
-    config = {
-        "workload": description,
-        "model": shape.name,
-        "gpu": time_model.gpu,
-        "num_gpus": time_model.num_gpus,
-        "calibration": args.calibration,
-        "cpu_cache": cpu_cache,
-        "swap_buffer": swap_buffer if cpu_cache else None,
-        "sessions": args.sessions,
-        "scheduler": args.scheduler,
-        "chunk_size": chunk_size,
-        **limits,
-        "block_size": block_size,
-        "replicas": args.replicas,
-        "time_model": time_model.as_dict(),
-    }
-    if args.replicas > 1:
-        config["routers"] = routers
-        config["routing"] = dataclasses.asdict(routing)
-    return {
-        "workload": workload,
-        "config": config,
-        "shape": shape,
-        "time_model": time_model,
-        "cost": CostModel(shape),
-        "capacities": capacities,
-        "settings": settings,
-        "make_config": make_config,
-        "jobs": jobs,
     }
 
 
@@ -491,18 +287,17 @@ def kernel_statement(time_model) -> str:
     return text + ", batches refilling holes too (--phantom-kernel triton: the Triton ragged kernel)"
 
 
-def print_offered_load(setup: dict) -> None:
+def print_offered_load(setup) -> None:
     """For an open-loop trace: its offered load against the servers (`penelope.sim.fleet.saturation`)."""
     from penelope.sim.fleet.report import offered_load_lines
     from penelope.sim.fleet.saturation import offered_load
 
-    workload = setup["workload"]
-    if workload.closed_loop:
+    if setup.workload.closed_loop:
         return
-    capacity = min(setup["capacities"])
-    load = offered_load(workload, setup["time_model"], setup["cost"], capacity)
-    setup["config"]["offered_load"] = load.as_dict()
-    for line in offered_load_lines(load, capacity, setup["config"]["replicas"]):
+    capacity = min(setup.capacities)
+    load = offered_load(setup.workload, setup.time_model, setup.cost, capacity)
+    setup.config["offered_load"] = load.as_dict()
+    for line in offered_load_lines(load, capacity, setup.config["replicas"]):
         print(line)
 
 
@@ -586,8 +381,7 @@ def percent(change: float) -> str:
 def plot_results(path: str, sweep: list, model: str) -> None:
     """TTFT mean and hit rate per policy against the GPU capacity (one point per capacity); with an
     oracle, also the recompute cost with the oracle bracket shaded."""
-    from penelope.outputs import save_figure
-    from penelope.plotting import pyplot, shade_oracle_bracket
+    from penelope.plotting import capacity_axis, pyplot, save, shade_oracle_bracket
     from penelope.sim.bracket import oracle_of
 
     plt = pyplot()
@@ -606,12 +400,6 @@ def plot_results(path: str, sweep: list, model: str) -> None:
         left.plot(x, [results[name].summary.ttft_mean for _, results in sweep], "o-", label=name)
         right.plot(x, [100 * results[name].summary.hit_rate for _, results in sweep], "o-", label=name)
     for axis, label in ((left, "mean TTFT (s)"), (right, "hit rate (%)")):
-        axis.set_xticks(x, labels)
-        axis.set_xlabel("GPU KV cache (tokens)")
-        axis.set_ylabel(label)
-        axis.grid(True, alpha=0.3)
+        capacity_axis(axis, x, labels, label)
     left.legend(fontsize=8)
-    fig.suptitle(f"{model}: trace replay by eviction policy")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path, f"{model}: trace replay by eviction policy")

@@ -355,7 +355,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from penelope.cache.policy import policy_names
+    from penelope.cache.policies import policy_names
     from penelope.outputs import check_outputs
 
     check_outputs({"--json": args.json}, {"--model": args.model})

@@ -46,7 +46,7 @@ def check_sglang_options(args) -> None:
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"--device {args.device}: --engine sglang runs on cpu or cuda; pick the GPU with "
                          "--engine-arg base_gpu_id=N")
-    from penelope.cache.policy import get_policy
+    from penelope.cache.policies import get_policy
 
     if get_policy(args.policy).uses_foresight:
         raise UsageError(f"--policy {args.policy} is an offline reference that must be told the future: a server "

@@ -1,21 +1,15 @@
-"""Command-line options shared by `penelope simulate` and `penelope analyze`: which workload to
-load and how to replay its waits."""
+"""Command-line options of a workload, shared by `simulate`, `analyze`, `load` and `ab`: which
+workload to load, which of its turns, how to replay its waits (`penelope.sim.workloads.load.WorkloadSpec`)."""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 from penelope.costmodel.shapes import model_path
-from penelope.errors import UsageError
-from penelope.sim.replay import check_clock_range
-from penelope.sim.workloads.load import FORMATS, load_workload
-from penelope.sim.workloads.turns import select_turns, turn_arguments
-from penelope.sim.workloads.types import ThinkTime, Workload
+from penelope.sim.workloads.load import DEFAULT_MAX_CONTEXT, FORMATS, WorkloadSpec, load
+from penelope.sim.workloads.turns import BELOW_FROM_CONTEXT
+from penelope.sim.workloads.types import Workload
 from penelope.sim.workloads.weka import OVERFLOW_MODES, SUBAGENT_MODES
-from penelope.units import parse_size
 
-DEFAULT_MAX_CONTEXT = "128K"
+__all__ = ["DEFAULT_MAX_CONTEXT", "add_turn_arguments", "add_workload_arguments", "load_from_args", "workload_spec"]
 
 
 def add_workload_arguments(parser, trace_flag: bool = True) -> None:
@@ -59,53 +53,6 @@ def add_workload_arguments(parser, trace_flag: bool = True) -> None:
     )
 
 
-def infer_format(path: str | None, given: str | None) -> str:
-    """The workload format: `given`, else synthetic without a path, weka for a folder or
-    `.json`, mooncake for `.jsonl`."""
-    if given:
-        return given
-    if path is None:
-        return "synthetic"
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{path}: no such trace file or folder")
-    if p.is_dir() or p.suffix == ".json":
-        return "weka"
-    if p.suffix == ".jsonl":
-        return "mooncake"
-    raise UsageError(f"cannot tell the format of {path}; give --format ({', '.join(FORMATS)})")
-
-
-def parse_think_time(text: str) -> ThinkTime:
-    """`recorded`, `tool`, `scale:X`, `cap:S`, comma-separated (`tool,scale:0.5,cap:60`)."""
-    mode, scale, cap = "recorded", 1.0, None
-    given: set[str] = set()
-    for item in (part.strip() for part in str(text).split(",")):
-        if not item:
-            continue
-        kind = "recorded|tool" if item in ThinkTime.MODES else item.partition(":")[0]
-        if kind in given:
-            raise UsageError(f"--think-time {text}: {item!r} contradicts or repeats an earlier item")
-        given.add(kind)
-        if item in ThinkTime.MODES:
-            mode = item
-            continue
-        name, _, value = item.partition(":")
-        if name not in ("scale", "cap") or not value:
-            raise UsageError(
-                f"--think-time: cannot read {item!r} (use recorded, tool, scale:X or cap:SECONDS)"
-            )
-        try:
-            number = float(value)
-        except ValueError:
-            raise UsageError(f"--think-time: {name} needs a number, got {value!r}") from None
-        if name == "scale":
-            scale = number
-        else:
-            cap = number
-    return ThinkTime(mode=mode, scale=scale, cap=cap)
-
-
 def workload_inputs(args, path: str | None) -> dict[str, str | None]:
     """The files and folders a command's workload options read, by option (for output checks)."""
     return {"--trace" if hasattr(args, "trace") else "PATH": path,
@@ -113,43 +60,33 @@ def workload_inputs(args, path: str | None) -> dict[str, str | None]:
             "--model": model_path(getattr(args, "model", None))}
 
 
+def add_turn_arguments(parser) -> None:
+    """--turns and --from-context."""
+    parser.add_argument("--turns", type=int, metavar="N",
+                        help="replay at most N requests of each session (from --from-context's, else the first)")
+    parser.add_argument("--from-context", metavar="TOKENS",
+                        help="start each session at its first request of at least TOKENS trace tokens (e.g. 96K; "
+                        "before --scale), its whole history as the first prompt; sessions that never reach it "
+                        "are left out")
+
+
+def workload_spec(args, path: str | None) -> WorkloadSpec:
+    """The `WorkloadSpec` of a command's workload options; `path`: the trace (`--trace` or PATH)."""
+    return WorkloadSpec(trace=path, format=args.format, max_context=args.max_context, overflow=args.overflow,
+                        subagents=args.subagents, shared_prefix=not args.no_shared_prefix, seed=args.seed,
+                        limit_sessions=args.limit_sessions, think_time=args.think_time,
+                        from_context=getattr(args, "from_context", None), turns=getattr(args, "turns", None))
+
+
 def load_from_args(args, path: str | None) -> tuple[Workload, dict]:
-    """The workload the options describe (think times applied, sessions limited), and a
-    JSON-ready description of how it was loaded."""
-    fmt = infer_format(path, args.format)
-    max_context = parse_size(args.max_context, "--max-context")
-    if not 0 <= args.seed < 2**63:
-        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
-    if args.limit_sessions is not None and args.limit_sessions < 1:
-        raise UsageError(f"--limit-sessions must be at least 1, got {args.limit_sessions}")
-    think = parse_think_time(args.think_time)
-    from_context, turns = turn_arguments(args)
-    options = {}
-    if fmt == "weka":
-        options = dict(shared_prefix=not args.no_shared_prefix, subagents=args.subagents, overflow=args.overflow)
-    workload = load_workload(fmt, path, max_context=max_context, seed=args.seed, **options)
-    loaded_sessions = len(workload.sessions)
-    workload = select_turns(workload, from_context=from_context, turns=turns)
-    if args.limit_sessions is not None:
-        workload = dataclasses.replace(workload, sessions=workload.sessions[: args.limit_sessions])
-    workload = think.apply(workload)
-    if not workload.num_requests:
-        raise UsageError("the workload has no requests to replay")
-    check_clock_range(workload)
-    description = {
-        "format": fmt,
-        "trace": path,
-        "max_context": max_context,
-        "seed": args.seed if fmt == "synthetic" else None,
-        "think_time": dataclasses.asdict(think),
-        "limit_sessions": args.limit_sessions,
-        "from_context": from_context,
-        "turns": turns,
-        "sessions_loaded": loaded_sessions,
-        "sessions": len(workload.sessions),
-        "requests": workload.num_requests,
-        "loader": workload.summary.as_dict(),
-    }
-    if fmt == "weka":
-        description.update(options)
-    return workload, description
+    """The workload the options describe and how it was loaded (`penelope.sim.workloads.load.load`)."""
+    return load(workload_spec(args, path))
+
+
+def left_out_line(workload: Workload, from_context: int | None) -> str | None:
+    """What `--from-context` left out, for the command's header (None: nothing)."""
+    count = workload.summary.sessions_skipped.get(BELOW_FROM_CONTEXT, 0)
+    if not count:
+        return None
+    sessions = "1 session that never reaches it" if count == 1 else f"{count:,} sessions that never reach it"
+    return f"--from-context {from_context:,}: left out {sessions}"

@@ -145,7 +145,7 @@ class ABConfig:
 
 
 def _penelope(name: str, policy: str | None, setup: ServerSetup, tier: bool) -> ABConfig:
-    from penelope.cache.policy import get_policy
+    from penelope.cache.policies import get_policy
 
     policy = policy or "penelope"
     if policy in REFUSED_POLICIES:

@@ -177,8 +177,7 @@ def report_payload(result: ABResult) -> dict:
 def plot_ab(path: str, result: ABResult, title: str) -> None:
     """Two panels: mean TTFT per configuration with its interval, and each configuration's paired
     change of mean TTFT and of recomputed prefill tokens against the baseline."""
-    from penelope.outputs import save_figure
-    from penelope.plotting import pyplot
+    from penelope.plotting import pyplot, save
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
@@ -212,6 +211,4 @@ def plot_ab(path: str, result: ABResult, title: str) -> None:
     for axis in (left, right):
         axis.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

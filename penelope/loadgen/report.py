@@ -9,8 +9,7 @@ import numpy as np
 
 from penelope.loadgen.records import RequestRecord
 from penelope.loadgen.summary import METRICS, RunSummary, estimates
-from penelope.outputs import save_figure
-from penelope.plotting import pyplot
+from penelope.plotting import pyplot, save
 from penelope.sim.stats import Estimate
 from penelope.tables import format_table
 
@@ -104,6 +103,4 @@ def plot_runs(path: str, records: Sequence[RequestRecord], title: str) -> None:
     for axis in axes:
         axis.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -214,9 +214,9 @@ def run_ensembles(
     (configuration index, Ensemble) as soon as every run of a configuration is done (so a caller
     interrupted later keeps what finished)."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise UsageError(f"--repeat must be a positive integer, got {repeat!r}")
+        raise UsageError(f"`repeat` must be a positive integer, got {repeat!r}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise UsageError(f"--jobs must be a positive integer, got {jobs!r}")
+        raise UsageError(f"`jobs` must be a positive integer, got {jobs!r}")
     tasks = [(c, run, policy) for c in range(len(configs)) for run in range(repeat) for policy in policies]
     jobs = min(jobs, len(tasks))
     by_task: dict[tuple[int, int, str], PolicyResult] = {}

@@ -132,8 +132,7 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
     """Against the GPU capacity, per policy: mean TTFT, its paired change against SGLang, and the
     hit rate, each with its interval as error bars; with an oracle, also the recompute cost with
     the oracle bracket (lower bound to oracle) shaded."""
-    from penelope.outputs import save_figure
-    from penelope.plotting import pyplot, shade_oracle_bracket
+    from penelope.plotting import capacity_axis, pyplot, save, shade_oracle_bracket
 
     plt = pyplot()
     oracle = sweep[0][1].has_oracle
@@ -164,12 +163,6 @@ def plot_ensembles(path: str, sweep: list, model: str) -> None:
     repeat = sweep[0][1].repeat
     for axis, label in ((left, "mean TTFT (s)"), (middle, "mean TTFT change vs sglang (%), paired"),
                         (right, "hit rate (%)")):
-        axis.set_xticks(x, labels)
-        axis.set_xlabel("GPU KV cache (tokens)")
-        axis.set_ylabel(label)
-        axis.grid(True, alpha=0.3)
+        capacity_axis(axis, x, labels, label)
     left.legend(fontsize=8)
-    fig.suptitle(f"{model}: trace replay by eviction policy ({repeat} runs, 95% intervals)")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path, f"{model}: trace replay by eviction policy ({repeat} runs, 95% intervals)")

@@ -54,9 +54,9 @@ class Perturbation:
             if not 0 <= value < 1:
                 raise UsageError(f"--{name} must be in [0, 1) (a relative half-width), got {value}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise UsageError(f"--perturb-seed must be a non-negative integer, got {self.seed!r}")
+            raise UsageError(f"`perturb_seed` must be a non-negative integer, got {self.seed!r}")
         if self.seed >= 2**63:
-            raise UsageError(f"--perturb-seed must be below 2**63, got {self.seed}")
+            raise UsageError(f"`perturb_seed` must be below 2**63, got {self.seed}")
 
     def factors(self, run: int) -> dict[str, float]:
         """The time-model factors of run `run`, by field name (all 1.0 when `band` is 0)."""

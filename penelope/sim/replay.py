@@ -97,7 +97,7 @@ def check_clock_range(workload: Workload) -> None:
         if not total <= MAX_CLOCK:
             raise UsageError(f"the workload's think times add up to {total:.3g} s, beyond the {MAX_CLOCK:.3g} s "
                              "(136 years) the simulated clock resolves to a microsecond; cap or scale them "
-                             "(--think-time cap:S or scale:X)")
+                             "(`think_time` cap:S or scale:X)")
         return
     last = max((r.arrival for s in workload.sessions for r in s.requests), default=0.0)
     if not last <= MAX_CLOCK:
@@ -172,7 +172,7 @@ class Replay:
         if sessions < 1:
             raise UsageError(f"sessions must be at least 1, got {sessions}")
         if prime and not workload.closed_loop:
-            raise UsageError("--prime needs a closed-loop workload: open-loop requests have no first turn to wait for")
+            raise UsageError("`prime` needs a closed-loop workload: open-loop requests have no first turn to wait for")
         caches = list(cache) if isinstance(cache, Sequence) else [cache]
         if not caches:
             raise UsageError("a replay needs at least one server")

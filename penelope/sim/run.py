@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from penelope.cache.baselines.hicache import HiCacheLikeCache
 from penelope.cache.host_tier import TieredCache
 from penelope.cache.manager import CacheStats, KVCache
-from penelope.cache.policy import PAPER_GRID, get_policy, policy_names
+from penelope.cache.policies import PAPER_GRID, get_policy, policy_names
 from penelope.cache.tiers import DEFAULT_SWAP_BUFFER, TwoTierCache
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import ModelShape, get_model
@@ -69,7 +69,7 @@ def parse_policies(text: str) -> list[str]:
     (`sglang`) is put first when it is missing."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
-        raise UsageError("--policies: empty list")
+        raise UsageError("`policies`: empty list")
     names: list[str] = []
     for item in items:
         names.extend(POLICY_GROUPS[item]() if item in POLICY_GROUPS else [item])
@@ -118,37 +118,37 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-            raise UsageError(f"--replicas must be a positive integer, got {self.replicas!r}")
+            raise UsageError(f"`replicas` must be a positive integer, got {self.replicas!r}")
         check_router(self.router)
         if not isinstance(self.routing, RouterConfig):
             raise UsageError(f"routing must be a RouterConfig, got {type(self.routing).__name__}")
         if self.block_size < 1:
             raise UsageError(f"block size must be positive, got {self.block_size}")
         if self.gpu_cache < self.block_size:
-            raise UsageError(f"--gpu-cache {self.gpu_cache} is below one block of {self.block_size} tokens")
+            raise UsageError(f"`gpu_cache` {self.gpu_cache} is below one block of {self.block_size} tokens")
         if self.cpu_cache < 0:
-            raise UsageError(f"--cpu-cache must be non-negative, got {self.cpu_cache}")
+            raise UsageError(f"`cpu_cache` must be non-negative, got {self.cpu_cache}")
         if 0 < self.cpu_cache < self.block_size:
-            raise UsageError(f"--cpu-cache {self.cpu_cache} is below one block of {self.block_size} tokens")
+            raise UsageError(f"`cpu_cache` {self.cpu_cache} is below one block of {self.block_size} tokens")
         if self.swap_buffer < self.block_size:
-            raise UsageError(f"--swap-buffer {self.swap_buffer} is smaller than one block of {self.block_size} tokens")
+            raise UsageError(f"`swap_buffer` {self.swap_buffer} is smaller than one block of {self.block_size} tokens")
         if self.cpu_cache and self.swap_buffer > self.cpu_cache:
             # Loads move at most what the CPU tier holds: a larger buffer is never used, only allocated.
-            raise UsageError(f"--swap-buffer {self.swap_buffer} is larger than the CPU tier it serves "
-                             f"(--cpu-cache {self.cpu_cache})")
+            raise UsageError(f"`swap_buffer` {self.swap_buffer} is larger than the CPU tier it serves "
+                             f"(`cpu_cache` {self.cpu_cache})")
         if not 1 <= self.sessions <= MAX_SESSIONS:
-            raise UsageError(f"--sessions must be in [1, {MAX_SESSIONS:,}], got {self.sessions:,}")
+            raise UsageError(f"`sessions` must be in [1, {MAX_SESSIONS:,}], got {self.sessions:,}")
         if self.scheduler not in ORDERS:
             raise UsageError(f"unknown scheduler {self.scheduler!r}; choose from {', '.join(ORDERS)}")
         if self.chunk_size < 1:
-            raise UsageError(f"--chunk-size must be positive, got {self.chunk_size}")
-        for flag, value in (("--page-size", self.page_size), ("--max-prefill-tokens", self.max_prefill_tokens),
-                            ("--max-running-requests", self.max_running_requests)):
+            raise UsageError(f"`chunk_size` must be positive, got {self.chunk_size}")
+        for flag, value in (("`page_size`", self.page_size), ("`max_prefill_tokens`", self.max_prefill_tokens),
+                            ("`max_running_requests`", self.max_running_requests)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"{flag} must be a positive integer, got {value!r}")
         if self.block_size % self.page_size or self.chunk_size % self.page_size:
-            raise UsageError(f"--page-size {self.page_size} must divide the block size {self.block_size} and "
-                             f"--chunk-size {self.chunk_size}")
+            raise UsageError(f"`page_size` {self.page_size} must divide the block size {self.block_size} and "
+                             f"`chunk_size` {self.chunk_size}")
 
 
 def make_cache(policy: str, config: SimConfig, cost_model: CostModel) -> KVCache:
@@ -225,6 +225,14 @@ def run_policies(
     return results
 
 
+def check_fleet_policies(policies: list[str], replicas: int) -> None:
+    """The offline oracle's lower bound replays one cache's admissions and finishes: refuse it on
+    several replicas."""
+    if replicas > 1 and any(get_policy(name).name == ORACLE for name in policies):
+        raise UsageError(f"`policies`: the {ORACLE} policy and its lower bound need one server, not `replicas` "
+                         f"{replicas}")
+
+
 def run_policy(
     workload: Workload,
     policy: str,
@@ -234,9 +242,7 @@ def run_policy(
     progress=None,
 ) -> PolicyResult:
     """One replay of `workload` under `policy` from an empty cache; `changes` are left empty."""
-    if config.replicas > 1 and get_policy(policy).name == ORACLE:
-        # Its lower bound replays one cache's admissions and finishes.
-        raise UsageError(f"the {ORACLE} policy and its lower bound need one server, not --replicas {config.replicas}")
+    check_fleet_policies([policy], config.replicas)
     caches = [make_cache(policy, config, cost_model) for _ in range(config.replicas)]
     router = None
     if config.replicas > 1:

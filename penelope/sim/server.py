@@ -1,4 +1,7 @@
 """One simulated server (a replica): its KV cache, scheduler, running decode batch and clock.
+This module decides each request's TTFT: its first token exists when the prefill batch that
+computes its last prompt chunk completes (`Server._complete_prefill` sets `first_token_time`);
+TTFT is that time minus the send time (`penelope.sim.metrics`).
 
 The server alternates batches as SGLang does: when a prefill batch can be formed (a cut prompt
 continues, or a waiting request is admitted), it runs, pausing decode; otherwise one decode step
@@ -221,6 +224,7 @@ class Server:
                 cut.append(chunk.job)
                 continue
             job = chunk.job
+            # The batch that computed the last prompt chunk ends: the first token, so the TTFT.
             job.first_token_time = self.now
             job.generated = min(1, job.output_tokens)
             if job.generated >= job.output_tokens:

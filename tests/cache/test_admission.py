@@ -200,7 +200,7 @@ def test_admit_says_never_when_the_request_can_never_fit(tokens, kwargs):
 
 
 def test_a_policy_object_serves_one_cache():
-    from penelope.cache.policy import get_policy
+    from penelope.cache.policies import get_policy
 
     policy = get_policy("penelope-agent")
     first = KVCache(64, block_size=BS, policy=policy)

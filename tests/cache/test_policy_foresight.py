@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from penelope.cache.manager import KVCache
-from penelope.cache.policy import policy_names
+from penelope.cache.policies import policy_names
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.sim.replay import Replay

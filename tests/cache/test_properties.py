@@ -21,7 +21,7 @@ from reference_cache import ReferenceCache, dump_real
 
 from penelope.cache.hints import Foresight, Hint
 from penelope.cache.manager import KVCache
-from penelope.cache.policy import get_policy, policy_names
+from penelope.cache.policies import get_policy, policy_names
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import CacheFullError, UsageError

@@ -10,7 +10,7 @@ import pytest
 from cache_helpers import serve, shape
 
 from penelope.cache.manager import KVCache
-from penelope.cache.policy import policy_names
+from penelope.cache.policies import policy_names
 
 BS = 4
 S = list(range(1000, 1008))

@@ -8,7 +8,7 @@ import pytest
 
 from penelope.cache.hints import FINISHED, Hint
 from penelope.cache.manager import KVCache
-from penelope.cache.policy import get_policy, policy_names
+from penelope.cache.policies import get_policy, policy_names
 from penelope.cache.tiers import TwoTierCache
 from penelope.cli import main
 from penelope.costmodel.recompute import CostModel

@@ -37,7 +37,8 @@ def test_each_policy_gets_its_cache():
 
 @pytest.mark.parametrize(
     "args, message",
-    [(dict(cpu_cache=32), "--cpu-cache 32 is below one block"), (dict(cpu_cache=B, swap_buffer=63), "--swap-buffer")],
+    [(dict(cpu_cache=32), "`cpu_cache` 32 is below one block"),
+     (dict(cpu_cache=B, swap_buffer=63), "`swap_buffer` 63 is smaller than one block")],
 )
 def test_config_errors(args, message):
     with pytest.raises(UsageError, match=message):

@@ -325,7 +325,7 @@ def test_replays_are_checked_against_memory_before_they_start(monkeypatch, capsy
                                   ["--gpu-cache", "nan"], ["--max-context", "0"], ["--sessions", "0"],
                                   ["--repeat", "2", "--band", "2"], ["--policies", "lru"]])
 def test_option_errors_are_found_before_the_workload_is_loaded(args, monkeypatch, capsys):
-    from penelope.commands import workload_options as options
+    from penelope.sim.workloads import load as options
 
     def loaded(*args, **kwargs):
         raise AssertionError("the workload was loaded before the options were checked")

@@ -23,7 +23,7 @@ def one_error(capsys, *parts):
 @pytest.fixture
 def no_replay(monkeypatch):
     """Fail the test if a command gets as far as loading its workload."""
-    from penelope.commands import workload_options as options
+    from penelope.sim.workloads import load as options
 
     def loaded(*args, **kwargs):
         raise AssertionError("the workload was loaded before the outputs were checked")

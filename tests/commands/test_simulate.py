@@ -157,8 +157,8 @@ def test_malformed_trace_names_the_file(tmp_path, capsys):
 
 
 def test_policy_lists_and_think_time_options():
-    from penelope.commands.workload_options import parse_think_time
     from penelope.sim.run import parse_policies
+    from penelope.sim.workloads.load import parse_think_time
     from penelope.sim.workloads.types import ThinkTime
 
     assert parse_policies("ablation") == SIX

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 import penelope.cache.phantom  # noqa: E402
 from penelope.cache.phantom import build_batch  # noqa: E402
-from penelope.cache.policy import policy_names  # noqa: E402
+from penelope.cache.policies import policy_names  # noqa: E402
 from penelope.cache.swap_executor import SwapExecutor  # noqa: E402
 from penelope.cli import main  # noqa: E402
 from penelope.commands.verify import VerifyOptions, compare_runs, verify  # noqa: E402

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from loadgen_stub import StubServer
 
-from penelope.commands.workload_options import parse_think_time
 from penelope.loadgen.apis import GENERATE, OPENAI
 from penelope.loadgen.runner import DONE, DURATION, MAX_REQUESTS, LoadConfig, check_fits, run_load
 from penelope.loadgen.summary import summarize
 from penelope.loadgen.target import probe_server
 from penelope.loadgen.tokens import TokenSpace
+from penelope.sim.workloads.load import parse_think_time
 from penelope.sim.workloads.mooncake import load_mooncake
 from penelope.sim.workloads.synthetic import SyntheticConfig, generate
 from penelope.sim.workloads.types import (
@@ -175,7 +175,7 @@ def test_think_time_modes_as_in_simulate(mode, waits):
 def test_open_loop_sends_at_the_recorded_times(tmp_path):
     """Mooncake JSONL at 0, 0.4 and 0.8 s, time-scaled by 0.5: sent at 0, 0.2, 0.4 s whatever the
     replies; equal hash ids are equal prompt ids."""
-    from penelope.commands.fleet_options import scale_time
+    from penelope.sim.workloads.time_scale import scale_time
 
     rows = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
             {"timestamp": 400, "input_length": 1024, "output_length": 8, "hash_ids": [1, 3]},

@@ -60,7 +60,7 @@ def test_a_threshold_no_session_reaches_is_one_line():
     longest = max(r.input_tokens for s in whole.sessions for r in s.requests)
     with pytest.raises(UsageError, match=f"no session reaches it .the longest prompt has {longest:,} tokens"):
         select_turns(whole, from_context=longest + 1)
-    with pytest.raises(UsageError, match="turns must be at least 1"):
+    with pytest.raises(UsageError, match="`turns` must be at least 1"):
         select_turns(whole, turns=0)
 
 

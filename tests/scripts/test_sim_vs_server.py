@@ -124,7 +124,7 @@ def broken(tmp_path, change):
     (lambda d: d["setup"].pop("pool"), "ab.json has no setup.pool"),
     (lambda d: d["workload"].pop("scale"), "ab.json has no workload.scale"),
     (lambda d: d["load"].pop("prime"), "ab.json has no load.prime"),
-    (lambda d: d["workload"].update(scale=0), "--scale must be a number of at least 1"),
+    (lambda d: d["workload"].update(scale=0), "`scale` must be a number of at least 1"),
     (lambda d: d["setup"].pop("tlru"), "ab.json has no setup.tlru"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, change, message):
@@ -170,7 +170,7 @@ def test_a_missing_ab_json_or_calibration_is_one_line(tmp_path, capsys):
      "ab.json's setup.slru_protected"),
     (lambda d: d["workload"].update(turns="eight"), "ab.json's workload.turns is 'eight'"),
     (lambda d: d["workload"].update(limit_sessions=-1), "ab.json's workload.limit_sessions is -1"),
-    (lambda d: d["workload"].update(time_scale="x"), "--time-scale must be a positive number"),
+    (lambda d: d["workload"].update(time_scale="x"), "`time_scale` must be a positive number"),
     (lambda d: d.update(estimates={}), "nothing to compare"),
     (lambda d: d["estimates"]["penelope"]["ttft_mean"].update(low="a"), "ab.json's estimates.penelope.ttft_mean"),
     (lambda d: d["workload"].update(loader="weka", trace=7), "the trace of ab.json (7) is not here"),

@@ -9,7 +9,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang_env import Serving, blocks, sglang_config
 
-from penelope.cache.policy import get_policy
+from penelope.cache.policies import get_policy
 from penelope.cache.tree import BlockState
 from penelope.errors import InvariantError, UsageError
 from penelope.integration.sglang import PenelopeOptions, PenelopeRadixCache, hooks

@@ -17,7 +17,7 @@ import pytest
 from sglang_env import Serving, blocks, sglang_config
 
 from penelope.cache.hints import MIN_OBSERVED
-from penelope.cache.policy import get_policy, policy_names
+from penelope.cache.policies import get_policy, policy_names
 from penelope.integration.sglang import clock
 
 TOOL_CALL = 49_999

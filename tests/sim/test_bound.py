@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from penelope.cache.manager import KVCache
-from penelope.cache.policy import policy_names
+from penelope.cache.policies import policy_names
 from penelope.cache.tiers import TwoTierCache
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model

@@ -48,7 +48,7 @@ def test_conversations_need_an_open_loop_trace_without_sessions(tmp_path):
                                                                               session_id="a")])
     with pytest.raises(UsageError, match="names its sessions already"):
         by_prefix(named)
-    with pytest.raises(UsageError, match="unknown --conversations mode 'turns'"):
+    with pytest.raises(UsageError, match="unknown `conversations` mode 'turns'"):
         apply(named, "turns")
 
 

@@ -84,7 +84,7 @@ def test_perturbations_are_seeded_per_run_and_within_the_band():
         assert getattr(model, name) == expected, name
     assert Perturbation(band=0.0).time_model(MODEL, 3) is MODEL
     for kwargs, message in (({"band": 1.0}, "--band must be in"), ({"jitter": -0.1}, "--jitter must be in"),
-                            ({"seed": -1}, "--perturb-seed")):
+                            ({"seed": -1}, "`perturb_seed`")):
         with pytest.raises(UsageError, match=message):
             Perturbation(**kwargs)
 
@@ -210,9 +210,9 @@ def test_intervals_narrow_as_runs_are_added(sequential):
 
 def test_ensemble_arguments_are_checked(pressured):
     work, configs = pressured
-    with pytest.raises(UsageError, match="--repeat"):
+    with pytest.raises(UsageError, match="`repeat`"):
         run_ensembles(work, ["sglang"], configs, MODEL, COST, repeat=0)
-    with pytest.raises(UsageError, match="--jobs"):
+    with pytest.raises(UsageError, match="`jobs`"):
         run_ensembles(work, ["sglang"], configs, MODEL, COST, repeat=2, jobs=0)
 
 

@@ -9,7 +9,6 @@ import pytest
 from sim_env import COST, request, simple_time_model, workload
 
 from penelope.cache.manager import KVCache
-from penelope.commands.fleet_options import scale_time
 from penelope.costmodel.recompute import CostModel
 from penelope.costmodel.shapes import get_model
 from penelope.errors import UsageError
@@ -21,6 +20,7 @@ from penelope.sim.run import SimConfig, run_policy
 from penelope.sim.timemodel import TimeModel
 from penelope.sim.workloads.mooncake import load_mooncake
 from penelope.sim.workloads.mooncake_like import FIRST_INPUT, MooncakeLikeConfig, generate, mean_turns, write_jsonl
+from penelope.sim.workloads.time_scale import scale_time
 
 B = 64
 SHAPE = get_model("qwen3-8b")
@@ -131,7 +131,7 @@ def test_time_scale_stretches_arrivals_and_divides_the_offered_load(tmp_path):
     assert scale_time(work, 1.0) is work
     closed = workload([[request([1], 64, 1, tail=0), request([1, 2], 130, 1, think=3.0, tail=1)]])
     assert [r.think_time for r in scale_time(closed, 0.5).sessions[0].requests] == [0.0, 1.5]
-    with pytest.raises(UsageError, match="--time-scale must be a positive number"):
+    with pytest.raises(UsageError, match="`time_scale` must be a positive number"):
         scale_time(work, 0.0)
 
 

@@ -164,9 +164,9 @@ def test_round_robin_least_load_and_sticky_sessions():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"cache_threshold": 1.5}, "--cache-threshold must be in"),
-    ({"balance_rel_threshold": 0.9}, "--balance-rel-threshold must be at least 1"),
-    ({"balance_abs_threshold": -1}, "--balance-abs-threshold must be a non-negative integer"),
+    ({"cache_threshold": 1.5}, "`cache_threshold` must be in"),
+    ({"balance_rel_threshold": 0.9}, "`balance_rel_threshold` must be at least 1"),
+    ({"balance_abs_threshold": -1}, "`balance_abs_threshold` must be a non-negative integer"),
     ({"eviction_interval": 0}, "eviction interval must be positive"),
     ({"cache_threshold": float("nan")}, "must be a number"),
 ])
@@ -178,6 +178,6 @@ def test_router_config_rejects_bad_values(changes, message):
 def test_unknown_router_and_bad_replica_counts():
     with pytest.raises(UsageError, match="unknown router 'random'; choose from"):
         make_router("random", 2, B)
-    with pytest.raises(UsageError, match="--replicas must be a positive integer"):
+    with pytest.raises(UsageError, match="`replicas` must be a positive integer"):
         make_router("least-load", 0, B)
     assert router_names() == ["round-robin", "least-load", "session", "cache-aware"]

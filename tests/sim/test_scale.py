@@ -104,7 +104,7 @@ def test_the_tables_workload_has_the_prompt_tokens_the_servers_got():
 @pytest.mark.parametrize("scale", [0, -1, 0.5, math.nan, math.inf, True])
 def test_a_bad_scale_is_refused(scale):
     workload = generate(SyntheticConfig(sessions=1, requests_per_session=2))
-    with pytest.raises(UsageError, match="--scale must be a number of at least 1"):
+    with pytest.raises(UsageError, match="`scale` must be a number of at least 1"):
         scale_workload(workload, scale)
 
 

@@ -64,17 +64,17 @@ class RouterConfig:
         for name in ("cache_threshold", "balance_rel_threshold", "eviction_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UsageError(f"--{name.replace('_', '-')} must be a number, got {value!r}")
+                raise UsageError(f"`{name}` must be a number, got {value!r}")
         if not 0 <= self.cache_threshold <= 1:
-            raise UsageError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
+            raise UsageError(f"`cache_threshold` must be in [0, 1], got {self.cache_threshold}")
         if self.balance_rel_threshold < 1:
-            raise UsageError(f"--balance-rel-threshold must be at least 1, got {self.balance_rel_threshold}")
+            raise UsageError(f"`balance_rel_threshold` must be at least 1, got {self.balance_rel_threshold}")
         if self.eviction_interval <= 0:
             raise UsageError(f"the router's eviction interval must be positive, got {self.eviction_interval}")
         for name in ("balance_abs_threshold", "max_tree_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
+                raise UsageError(f"`{name}` must be a non-negative integer, got {value!r}")
 
 
 ROUTERS: dict[str, type[Router]] = {}
@@ -97,6 +97,37 @@ def check_router(name: str) -> str:
     return name
 
 
+THRESHOLDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+
+
+def choose_routers(router: str | None, replicas: int | None, *, sweep: bool = True,
+                   thresholds: tuple[str, ...] = (), replicas_chosen_later: bool = False) -> list[str]:
+    """The routers `router` names: comma-separated, 'all' for every router, None for the
+    cache-aware one (SGLang router's default); validated, duplicates removed, one unless `sweep`.
+    `thresholds`: the names of the `RouterConfig` thresholds given. A router or a threshold that a
+    replay on `replicas` servers would not use is an error (`replicas_chosen_later`: the count is
+    chosen after this check, so any may come)."""
+    items = [item.strip() for item in str(router or "cache-aware").split(",") if item.strip()]
+    if not items:
+        raise UsageError("`router`: empty list")
+    names: list[str] = []
+    for item in items:
+        for name in router_names() if item == "all" else [check_router(item)]:
+            if name not in names:
+                names.append(name)
+    if not sweep and len(names) > 1:
+        raise UsageError("`router`: give one router here")
+    if replicas is not None and replicas < 1:
+        raise UsageError(f"`replicas` must be a positive integer, got {replicas}")
+    one_server = replicas == 1 and not replicas_chosen_later
+    if router is not None and one_server:
+        raise UsageError("`router` applies to `replicas` N > 1 (one server needs no router)")
+    given = [name for name in THRESHOLDS if name in thresholds]
+    if given and (one_server or "cache-aware" not in names):
+        raise UsageError(f"`{given[0]}` applies to the cache-aware router with `replicas` N > 1")
+    return names
+
+
 def make_router(name: str, replicas: int, block_size: int, config: RouterConfig | None = None) -> Router:
     """A fresh router `name` over `replicas` replicas of a workload with `block_size`-token keys."""
     return ROUTERS[check_router(name)](replicas, block_size, config or RouterConfig())
@@ -114,7 +145,7 @@ class Router:
 
     def __init__(self, replicas: int, block_size: int, config: RouterConfig):
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise UsageError(f"--replicas must be a positive integer, got {replicas!r}")
+            raise UsageError(f"`replicas` must be a positive integer, got {replicas!r}")
         self.replicas = replicas
         self.block_size = block_size
         self.config = config

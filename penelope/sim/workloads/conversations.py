@@ -24,9 +24,9 @@ MODES = ("none", "prefix")
 def by_prefix(workload: Workload, min_blocks: int = MIN_BLOCKS) -> Workload:
     """`workload` regrouped into conversations (see the module docstring); open loop only."""
     if workload.closed_loop:
-        raise UsageError("--conversations prefix: only for open-loop traces (a closed-loop one has sessions)")
+        raise UsageError("`conversations` prefix: only for open-loop traces (a closed-loop one has sessions)")
     if any(len(session.requests) > 1 for session in workload.sessions):
-        raise UsageError("--conversations prefix: the trace names its sessions already")
+        raise UsageError("`conversations` prefix: the trace names its sessions already")
     requests = sorted(
         ((r.arrival, s, i, r) for s, session in enumerate(workload.sessions) for i, r in enumerate(session.requests)),
         key=lambda item: item[:3],
@@ -57,7 +57,7 @@ def by_prefix(workload: Workload, min_blocks: int = MIN_BLOCKS) -> Workload:
 def apply(workload: Workload, mode: str) -> Workload:
     """`mode` `"none"`: `workload` as loaded; `"prefix"`: `by_prefix` for an open-loop trace."""
     if mode not in MODES:
-        raise UsageError(f"unknown --conversations mode {mode!r}; choose from {', '.join(MODES)}")
+        raise UsageError(f"unknown `conversations` mode {mode!r}; choose from {', '.join(MODES)}")
     if mode == "none":
         return workload
     return by_prefix(workload)

@@ -79,7 +79,7 @@ def load_mooncake(path: str | Path, *, block_size: int = 512, max_context: int |
         raise WorkloadError(f"{path}: cannot read it ({err.strerror})") from None
     if not grouped:
         if ordinal:
-            raise WorkloadError(f"{path}: all {ordinal:,} requests are longer than --max-context {max_context:,}")
+            raise WorkloadError(f"{path}: all {ordinal:,} requests are longer than `max_context` {max_context:,}")
         raise WorkloadError(f"{path}: no requests")
     sessions = []
     names: dict[str, int] = {}

@@ -44,7 +44,7 @@ FRESH_BASE = 1 << 62
 def check_scale(scale) -> float:
     """`scale` as a float; UsageError unless a finite number of at least 1."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 1:
-        raise UsageError(f"--scale must be a number of at least 1 (it divides token counts), got {scale!r}")
+        raise UsageError(f"`scale` must be a number of at least 1 (it divides token counts), got {scale!r}")
     return float(scale)
 
 
@@ -55,10 +55,10 @@ def scale_workload(workload: Workload, scale: float) -> Workload:
     per_block = space.count(workload.block_size)
     largest = max((int(r.keys.max()) for _, _, r in workload.requests() if r.n_blocks), default=0)
     if (largest + 1) * per_block > FRESH_BASE:
-        raise UsageError(f"--scale {scale:g}: the trace's keys (up to {largest:,}) leave no room for fresh tokens")
+        raise UsageError(f"`scale` {scale:g}: the trace's keys (up to {largest:,}) leave no room for fresh tokens")
     total = sum(_planned_total(space, workload.block_size, session, workload.closed_loop)
                 for session in workload.sessions)
-    check_memory(8 * total, f"--scale {scale:g}: the {total:,} prompt tokens of the scaled workload")
+    check_memory(8 * total, f"`scale` {scale:g}: the {total:,} prompt tokens of the scaled workload")
     fresh = _Fresh()
     sessions = tuple(_scaled_session(session, space, per_block, workload.closed_loop, fresh)
                      for session in workload.sessions)

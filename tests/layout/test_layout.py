@@ -1,0 +1,52 @@
+"""The project's layout rules, checked on its source: no import circles between its modules, and
+the simulator's library names the fields of its set-ups in errors, never the CLI's flags (only
+`penelope.commands` maps one to the other)."""
+import ast
+import re
+
+import import_graph
+import pytest
+
+from penelope.commands.fields import as_flags
+
+FLAG = re.compile(r"(?<![\w`-])--[a-z]")
+
+
+def test_no_module_imports_itself_back():
+    assert import_graph.cycles(import_graph.graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_graph.cycles(edges) == [["a", "b", "c"]]
+    assert import_graph.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _raised_texts(path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            for part in ast.walk(node.exc):
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                    yield node.lineno, part.value
+
+
+@pytest.mark.parametrize("package", ["sim"])
+def test_library_errors_name_fields_not_flags(package):
+    folder = import_graph.ROOT / "penelope" / package
+    found = [f"{path.relative_to(import_graph.ROOT)}:{line}: {text!r}"
+             for path in sorted(folder.rglob("*.py")) for line, text in _raised_texts(path) if FLAG.search(text)]
+    assert found == []
+
+
+def test_a_field_is_shown_as_the_flag_of_its_command():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path", nargs="?")
+    parser.add_argument("--gpu-cache")
+    flags = {"gpu_cache": "--gpu-cache", "path": "PATH"}
+    assert as_flags("`gpu_cache` 1 is below `block` and `path`", flags) == "--gpu-cache 1 is below `block` and PATH"
+    from penelope.commands.fields import field_flags
+
+    assert field_flags(parser) == flags
+    assert field_flags(parser, trace="path")["trace"] == "PATH"
