@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's "Beyond the paper" tables: SGLang, Penelope, the published alternatives (ttl,
+# docs/results.md's "Beyond the paper" tables: SGLang, Penelope, the published alternatives (ttl,
 # flop-recency), penelope-agent and the offline oracle on the 24 shared WEKA Claude Code sessions
 # of at most 128K tokens, Qwen3-8B, 4 sessions at once, LPM; GPU-only 160K and two tiers
 # 128K + 128K, with the recorded think times and with them capped at 30 s. Every setting is an

@@ -1,4 +1,4 @@
-"""Print the README's "Beyond the paper" tables (Markdown) from the JSON that
+"""Print docs/results.md's "Beyond the paper" tables (Markdown) from the JSON that
 scripts/beyond_results.sh wrote.
 
     python scripts/beyond_tables.py results/beyond

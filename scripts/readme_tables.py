@@ -1,4 +1,4 @@
-"""Print the README's result tables (Markdown) from the JSON that ensemble replays wrote.
+"""Print docs/results.md's result tables (Markdown) from the JSON that ensemble replays wrote.
 
     python scripts/readme_tables.py weka results/weka    # after scripts/weka_results.sh
     python scripts/readme_tables.py synthetic results    # after penelope reproduce

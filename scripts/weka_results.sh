@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The README's results on the 24 shared WEKA Claude Code sessions of at most 128K tokens
+# docs/results.md's results on the 24 shared WEKA Claude Code sessions of at most 128K tokens
 # (../shared/traces/weka-claude-code, --overflow skip keeps exactly those), Qwen3-8B unless
 # stated, 4 sessions at once, LPM. Every setting is an ensemble of REPEAT runs (default 10), each
 # with the time model's constants scaled by seeded factors in [1 - BAND, 1 + BAND] (default
 # 0.03), replayed in parallel on every core. Each run prints its tables and writes JSON into
-# results/weka/; at the end scripts/readme_tables.py prints the README's Markdown tables.
-# About 8 minutes on two cores with the defaults. Usage: scripts/weka_results.sh [TRACE_DIR]
+# results/weka/; at the end scripts/readme_tables.py prints docs/results.md's Markdown tables.
+# About 45 minutes on two cores with the defaults (an estimate). Usage: scripts/weka_results.sh [TRACE_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACE=${1:-../shared/traces/weka-claude-code}
@@ -29,5 +29,5 @@ sim tool_waits --think-time tool,cap:60 --gpu-cache 192K,256K
 sim gemma3 --model gemma-3-27b --gpu-cache 192K,256K
 sim qwen3_32b --model qwen3-32b
 sim triton_kernel --phantom-kernel triton --gpu-cache 128K,192K,256K
-echo "== README tables ($(($(date +%s) - start)) s of replays)"
+echo "== docs/results.md tables ($(($(date +%s) - start)) s of replays)"
 "$VENV/bin/python" scripts/readme_tables.py weka "$OUT"

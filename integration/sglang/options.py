@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from penelope.cache.policies import get_policy, policy_names
+from penelope.cache.policies import DEFAULT_POLICY, get_policy, policy_names
 from penelope.errors import UsageError
 
 from .backends import REFILL_MODES
@@ -57,7 +57,7 @@ class PenelopeOptions:
     the swap-copy kernel on a GPU, torch's indexed copy on CPU).
     """
 
-    policy: str = "penelope"
+    policy: str = DEFAULT_POLICY
     block_size: int | None = None
     swap_buffer: int = 1024
     phantoms: bool = True

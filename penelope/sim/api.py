@@ -7,7 +7,7 @@ are this module plus their options and tables.
 
     setup = prepare(SimulationSpec(WorkloadSpec(trace="traces/"), gpu_cache="128K,192K", repeat=6))
     for (capacity, router), ensemble in zip(setup.settings, simulate(setup)):
-        print(capacity, ensemble.changes["penelope"]["ttft_mean"])
+        print(capacity, ensemble.change("penelope", "ttft_mean"))
 
 Errors are `UsageError`s that name the spec's fields in backquotes (`gpu_cache`); the CLI shows
 them as its flags (`penelope.commands.fields`).
@@ -112,6 +112,10 @@ def ensemble_runs(spec: SimulationSpec) -> tuple[int, Perturbation | None]:
     """(repeat, the perturbation of its runs or None for a single run); perturbation fields need
     `repeat` >= 2."""
     repeat = spec.repeat
+    for name in ("repeat", "sessions", "replicas", "page_size", "max_running_requests"):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"`{name}` must be an integer, got {value!r}")
     if repeat < 1:
         raise UsageError(f"`repeat` must be at least 1, got {repeat}")
     if repeat > MAX_REPEAT:

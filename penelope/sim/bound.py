@@ -28,7 +28,7 @@ the solver did. Coordinate ascent on z (each step exact) approaches the LP's opt
 valid after any number of sweeps.
 
 Valid for any policy that serves the same admissions in the same order. A closed-loop replay's
-order depends on the policy, so each run is bounded on its own sequence; the README's bracket is
+order depends on the policy, so each run is bounded on its own sequence; docs/results.md's bracket is
 the oracle's run: [bound on its sequence, its cost].
 """
 from __future__ import annotations

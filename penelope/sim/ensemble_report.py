@@ -53,8 +53,8 @@ def change_interval(estimate: Estimate, points: bool = False) -> tuple[str, str]
 
 
 def markdown_change(estimate: Estimate, lower_is_better: bool = True, points: bool = False) -> str:
-    """A README cell: `-28.7% [-31.2%, -26.1%]`, or `no significant difference [-1.1%, +1.9%]`, or
-    `identical in every run` when every run's change is exactly zero."""
+    """A cell of docs/results.md's tables: `-28.7% [-31.2%, -26.1%]`, or `no significant difference
+    [-1.1%, +1.9%]`, or `identical in every run` when every run's change is exactly zero."""
     if estimate.low == estimate.mean == estimate.high == 0.0:
         return "identical in every run"
     mean, interval = change_interval(estimate, points)

@@ -50,9 +50,9 @@ class Perturbation:
         for name in ("band", "jitter"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UsageError(f"--{name} must be a number, got {value!r}")
+                raise UsageError(f"`{name}` must be a number, got {value!r}")
             if not 0 <= value < 1:
-                raise UsageError(f"--{name} must be in [0, 1) (a relative half-width), got {value}")
+                raise UsageError(f"`{name}` must be in [0, 1) (a relative half-width), got {value}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise UsageError(f"`perturb_seed` must be a non-negative integer, got {self.seed!r}")
         if self.seed >= 2**63:

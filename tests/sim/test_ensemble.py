@@ -83,7 +83,7 @@ def test_perturbations_are_seeded_per_run_and_within_the_band():
         expected = getattr(MODEL, name) * factors[3][name] if name in PERTURBED_FIELDS else getattr(MODEL, name)
         assert getattr(model, name) == expected, name
     assert Perturbation(band=0.0).time_model(MODEL, 3) is MODEL
-    for kwargs, message in (({"band": 1.0}, "--band must be in"), ({"jitter": -0.1}, "--jitter must be in"),
+    for kwargs, message in (({"band": 1.0}, "`band` must be in"), ({"jitter": -0.1}, "`jitter` must be in"),
                             ({"seed": -1}, "`perturb_seed`")):
         with pytest.raises(UsageError, match=message):
             Perturbation(**kwargs)

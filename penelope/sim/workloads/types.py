@@ -258,11 +258,11 @@ class ThinkTime:
 
     def __post_init__(self) -> None:
         if self.mode not in self.MODES:
-            raise UsageError(f"unknown think-time mode {self.mode!r}; choose from {', '.join(self.MODES)}")
+            raise UsageError(f"`think_time`: unknown mode {self.mode!r}; choose from {', '.join(self.MODES)}")
         if not np.isfinite(self.scale) or self.scale < 0:
-            raise UsageError(f"think-time scale must be a non-negative number, got {self.scale}")
+            raise UsageError(f"`think_time` scale must be a non-negative number, got {self.scale}")
         if self.cap is not None and not 0 <= self.cap < np.inf:
-            raise UsageError(f"think-time cap must be a finite non-negative number of seconds, got {self.cap}")
+            raise UsageError(f"`think_time` cap must be a finite non-negative number of seconds, got {self.cap}")
 
     def apply(self, workload: Workload) -> Workload:
         """A copy of `workload` with waits changed; arrivals of open-loop requests are untouched."""
