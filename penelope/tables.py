@@ -15,3 +15,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def percent(change: float) -> str:
+    """A relative change as a signed percentage; n/a for NaN."""
+    return "n/a" if change != change else f"{change:+.1%}"

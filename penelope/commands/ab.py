@@ -105,7 +105,7 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from penelope.commands.simulate import progress_bar
+    from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import write_json
     from penelope.commands.workload_options import DEFAULT_MAX_CONTEXT, left_out_line, load_from_args
     from penelope.errors import Interrupted, UsageError

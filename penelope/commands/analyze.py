@@ -53,8 +53,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import dataclasses
 
-    from penelope.commands.simulate import percent, progress_bar, simulation_spec
+    from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import write_json
+    from penelope.commands.spec import simulation_spec
     from penelope.commands.workload_options import workload_inputs
     from penelope.errors import UsageError
     from penelope.memory import check_memory
@@ -66,6 +67,7 @@ def run(args) -> int:
     from penelope.sim.replay import replay_memory
     from penelope.sim.run import baseline_of, json_ready, run_policies
     from penelope.sim.workloads.types import workload_stats
+    from penelope.tables import percent
 
     if args.path is None and args.format != "synthetic":
         raise UsageError("analyze needs a trace PATH (or --format synthetic)")

@@ -67,7 +67,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import dataclasses
 
-    from penelope.commands.simulate import progress_bar
+    from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import write_json
     from penelope.commands.workload_options import left_out_line, load_from_args, workload_inputs
     from penelope.errors import Interrupted, UsageError

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from penelope.cli import build_parser, main
-    from penelope.commands.simulate import simulation_spec
+    from penelope.commands.spec import simulation_spec
     from penelope.costmodel.shapes import get_model, model_path
     from penelope.errors import UsageError
     from penelope.outputs import check_folder, check_outputs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from penelope.tables import format_table
+from penelope.tables import format_table, percent
 from penelope.units import format_size
 
 
@@ -118,22 +118,10 @@ def add_ensemble_arguments(parser) -> None:
     )
 
 
-def simulation_spec(args, trace: str | None = None):
-    """The `SimulationSpec` of a command's options (each field from the option of its name, where
-    the command has one; `trace`: the workload's path)."""
-    import dataclasses
-
-    from penelope.commands.workload_options import workload_spec
-    from penelope.sim.api import SimulationSpec
-
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimulationSpec)
-             if f.name != "workload" and hasattr(args, f.name)}
-    workload = workload_spec(args, trace) if hasattr(args, "max_context") else None
-    return SimulationSpec(**given, **({"workload": workload} if workload is not None else {}))
-
-
 def run(args) -> int:
+    from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
+    from penelope.commands.spec import simulation_spec
     from penelope.commands.workload_options import workload_inputs
     from penelope.outputs import check_outputs
     from penelope.sim.api import prepare, simulate
@@ -224,15 +212,6 @@ def ensemble_json(repeat: int, perturbation, jobs: int) -> dict:
         "interval": "Student t over runs; changes paired run by run",
         **perturbation.as_dict(),
     }
-
-
-def progress_bar(total: int, disabled: bool):
-    """A tqdm bar on stderr over replayed requests, or None when off or stderr is not a terminal."""
-    if disabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", desc="replay", leave=False)
 
 
 def print_config(config: dict, time_model) -> None:
@@ -371,11 +350,6 @@ def oracle_table(results: dict) -> str:
     ]
     headers = ("policy", "cost vs oracle", "cost vs bound", "TTFT vs oracle", "JCT vs oracle")
     return head + "\n" + format_table(headers, rows)
-
-
-def percent(change: float) -> str:
-    """A relative change as a signed percentage; n/a for NaN."""
-    return "n/a" if change != change else f"{change:+.1%}"
 
 
 def plot_results(path: str, sweep: list, model: str) -> None:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from penelope.commands.simulate import progress_bar
+from penelope.commands.progress import progress_bar
 from penelope.sim.analysis import reuse_distances, reuse_summary, shared_prefix, unbounded_hit_rate
 from penelope.sim.metrics import RequestRecord
 from penelope.sim.workloads.types import HUMAN, Request, Session, Workload, WorkloadSummary
