@@ -107,7 +107,12 @@ def run(args) -> int:
 
     from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import write_json
-    from penelope.commands.workload_options import DEFAULT_MAX_CONTEXT, left_out_line, load_from_args
+    from penelope.commands.workload_options import (
+        DEFAULT_MAX_CONTEXT,
+        check_workload_options,
+        left_out_line,
+        load_from_args,
+    )
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.ab_configs import CPU_ATTENTION, ServerSetup, TLRUParams, default_tlru, parse_configs
@@ -153,6 +158,8 @@ def run(args) -> int:
     parse_configs(args.configs, setup, args.baseline)
     out = check_folder("--out", args.out)
 
+    # The workload's options before a model is written (the model's context may set --max-context).
+    check_workload_options(args, args.trace)
     model = str(prepare_model(args.model, out / "model")) if is_generated(args.model) else args.model
     if args.max_context is None:
         # The model's context in the trace's tokens (at most the workloads' usual 128K), not the

@@ -69,7 +69,12 @@ def run(args) -> int:
 
     from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import write_json
-    from penelope.commands.workload_options import left_out_line, load_from_args, workload_inputs
+    from penelope.commands.workload_options import (
+        check_workload_options,
+        left_out_line,
+        load_from_args,
+        workload_inputs,
+    )
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.client import Sampling
@@ -99,6 +104,8 @@ def run(args) -> int:
     check_outputs({"--records": args.records, "--json": args.json, "--plot": args.plot},
                   workload_inputs(args, args.trace))
 
+    # The workload's options before the server is contacted (its context may set --max-context).
+    check_workload_options(args, args.trace)
     target = probe_server(args.url, args.api, vocab=args.vocab, context=args.context)
     if args.max_context is None:
         # The longest prompt the server takes, in the trace's (unscaled) tokens.

@@ -4,7 +4,7 @@ workload to load, which of its turns, how to replay its waits (`penelope.sim.wor
 from __future__ import annotations
 
 from penelope.costmodel.shapes import model_path
-from penelope.sim.workloads.load import DEFAULT_MAX_CONTEXT, FORMATS, WorkloadSpec, load
+from penelope.sim.workloads.load import DEFAULT_MAX_CONTEXT, FORMATS, WorkloadSpec, check, load
 from penelope.sim.workloads.turns import BELOW_FROM_CONTEXT
 from penelope.sim.workloads.types import Workload
 from penelope.sim.workloads.weka import OVERFLOW_MODES, SUBAGENT_MODES
@@ -76,6 +76,12 @@ def workload_spec(args, path: str | None) -> WorkloadSpec:
                         subagents=args.subagents, shared_prefix=not args.no_shared_prefix, seed=args.seed,
                         limit_sessions=args.limit_sessions, think_time=args.think_time,
                         from_context=getattr(args, "from_context", None), turns=getattr(args, "turns", None))
+
+
+def check_workload_options(args, path: str | None) -> None:
+    """The workload options checked before a command starts a server or writes a model
+    (`penelope.sim.workloads.load.check`)."""
+    check(workload_spec(args, path))
 
 
 def load_from_args(args, path: str | None) -> tuple[Workload, dict]:

@@ -104,6 +104,17 @@ def test_the_command_refuses_bad_input_before_any_server(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad, message", [(["--trace", "/no/such/trace"], "/no/such/trace: no such trace"),
+                                          (["--think-time", "sometimes"], "--think-time: cannot read 'sometimes'"),
+                                          (["--limit-sessions", "0"], "--limit-sessions must be at least 1")])
+def test_workload_options_are_refused_before_a_model_is_written(tmp_path, capsys, bad, message):
+    out = tmp_path / "out"
+    assert main(["ab", "penelope", "sglang-lru", "--model", "scale:7", "--pool", "4096", "--out", str(out), *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (out / "model").exists()
+
+
 def test_check_applied_reads_back_what_the_server_resolved():
     lru = make_config("sglang-lru", SETUP)
     assert check_applied(lru, {"radix_eviction_policy": "lru", "enable_session_radix_cache": False}) == {

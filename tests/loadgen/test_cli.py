@@ -52,6 +52,10 @@ def _bad_jsonl(tmp_path):
     (lambda url, tmp: ["--url", url, "--vocab", "1000", "--repeat", "0"], "--repeat must be in [1, 1000]"),
     (lambda url, tmp: ["--url", url + "/generate", "--vocab", "10"], "without a path"),
     (lambda url, tmp: ["--url", url], "does not say its vocabulary size"),
+    # The workload's options are checked before the server is contacted.
+    (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--trace", "/no/such/trace"], "/no/such/trace: no such trace"),
+    (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--think-time", "sometimes"], "--think-time: cannot read"),
+    (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--limit-sessions", "0"], "--limit-sessions must be at least"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     with StubServer(apis=("generate",), max_input=2000) as stub:

@@ -87,17 +87,29 @@ def parse_think_time(text: str) -> ThinkTime:
     return ThinkTime(mode=mode, scale=scale, cap=cap)
 
 
-def load(spec: WorkloadSpec) -> tuple[Workload, dict]:
-    """The workload `spec` describes (turns selected, sessions limited, think times applied), and a
-    JSON-ready description of how it was loaded."""
+def check(spec: WorkloadSpec) -> tuple[str, ThinkTime, int | None, int | None]:
+    """Every field of `spec` that can be checked without reading the trace (the path must exist;
+    `max_context` may still be None, for a caller that sets it later); returns (format, think
+    time, from_context, turns). A command calls it before it starts a server or writes a model."""
     fmt = infer_format(spec.trace, spec.format)
-    max_context = parse_size(spec.max_context, "`max_context`")
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown workload format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if spec.max_context is not None:
+        parse_size(spec.max_context, "`max_context`")
     if not 0 <= spec.seed < 2**63:
         raise UsageError(f"`seed` must be in [0, 2**63), got {spec.seed}")
     if spec.limit_sessions is not None and spec.limit_sessions < 1:
         raise UsageError(f"`limit_sessions` must be at least 1, got {spec.limit_sessions}")
     think = parse_think_time(spec.think_time)
     from_context, turns = parse_turns(spec.from_context, spec.turns)
+    return fmt, think, from_context, turns
+
+
+def load(spec: WorkloadSpec) -> tuple[Workload, dict]:
+    """The workload `spec` describes (turns selected, sessions limited, think times applied), and a
+    JSON-ready description of how it was loaded."""
+    fmt, think, from_context, turns = check(spec)
+    max_context = parse_size(spec.max_context, "`max_context`")
     options = {}
     if fmt == "weka":
         options = dict(shared_prefix=spec.shared_prefix, subagents=spec.subagents, overflow=spec.overflow)
