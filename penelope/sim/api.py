@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from penelope.cache.host_tier import check_host_slots
+from penelope.cache.policies import get_policy
 from penelope.cache.sglang_policies import SGLangPolicy
 from penelope.cache.tiers import DEFAULT_SWAP_BUFFER
 from penelope.costmodel.recompute import CostModel
@@ -138,8 +140,6 @@ def ensemble_runs(spec: SimulationSpec) -> tuple[int, Perturbation | None]:
 
 def check_tier_policies(policies: list[str], cpu_cache: int) -> None:
     """SGLang's own policies (ported) model its GPU radix cache only: refuse them with a CPU tier."""
-    from penelope.cache.policies import get_policy
-
     ported = [name for name in policies if isinstance(get_policy(name), SGLangPolicy)]
     if ported and cpu_cache:
         raise UsageError(f"`policies` {','.join(ported)}: SGLang's own policies model its GPU radix cache; "
@@ -177,7 +177,8 @@ def prepare(spec: SimulationSpec, *, sweep_routers: bool = True, replicas_chosen
     if spec.swap_buffer is not None and not cpu_cache:
         raise UsageError("`swap_buffer` applies to the two tiers: give `cpu_cache` too")
     swap_buffer = parse_size(spec.swap_buffer or DEFAULT_SWAP_BUFFER, "`swap_buffer`")
-    check_host_slots(cpu_cache, swap_buffer)
+    if cpu_cache:
+        check_host_slots(cpu_cache, swap_buffer, "`cpu_cache`", "`swap_buffer`")
     chunk_size = parse_size(spec.chunk_size, "`chunk_size`")
     if spec.scale is not None:
         check_scale(spec.scale)
@@ -247,13 +248,6 @@ def prepare(spec: SimulationSpec, *, sweep_routers: bool = True, replicas_chosen
     return Setup(workload=workload, config=config, shape=shape, time_model=time_model, cost=CostModel(shape),
                  capacities=capacities, settings=settings, policies=policies, repeat=repeat,
                  perturbation=perturbation, jobs=workers, make_config=make_config)
-
-
-def check_host_slots(cpu_cache: int, swap_buffer: int) -> None:
-    from penelope.cache.host_tier import check_host_slots as check
-
-    if cpu_cache:
-        check(cpu_cache, swap_buffer, "`cpu_cache`", "`swap_buffer`")
 
 
 def check_fits(workload: Workload, capacities: list[int], prime: bool) -> None:
