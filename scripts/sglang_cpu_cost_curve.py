@@ -48,7 +48,7 @@ from penelope.costmodel.recompute import CostModel, predict_speedup
 from penelope.costmodel.shapes import get_model
 from penelope.engine.scale_model import save_scale_model
 from penelope.errors import PenelopeError, UsageError
-from penelope.loadgen.server import CPU_ENV, ServerSpec, SGLangServer, free_port
+from penelope.loadgen.server import CPU_ENV, ServerSpec, SGLangServer
 from penelope.sim.calibration import fit_calibration
 from penelope.sim.stats import Estimate
 from penelope.tables import format_table
@@ -97,7 +97,7 @@ class Server:
     group of its own, its output in `log`, the whole group stopped on exit, on an error and on
     Ctrl-C), and the requests this script times."""
 
-    def __init__(self, model: Path, port: int, pool: int, chunk: int, log: Path, attention: str = ATTENTION,
+    def __init__(self, model: Path, port: int | None, pool: int, chunk: int, log: Path, attention: str = ATTENTION,
                  start_timeout: float = 900):
         args = ("--device", "cpu", "--dtype", "float32", "--attention-backend", attention, "--disable-cuda-graph",
                 "--skip-tokenizer-init", "--page-size", str(PAGE), "--max-total-tokens", str(pool),
@@ -107,7 +107,10 @@ class Server:
         path = os.pathsep.join(p for p in (str(STUB), os.environ.get("PYTHONPATH", "")) if p)
         self.server = SGLangServer(ServerSpec(model=str(model), log=log, args=args, port=port,
                                               env={**CPU_ENV, "PYTHONPATH": path}, startup_timeout=start_timeout))
-        self.url = self.server.url
+
+    @property
+    def url(self) -> str:
+        return self.server.url
 
     def __enter__(self) -> Server:
         self.server.start()
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk = PAGE * (-(-(pool + PAGE) // PAGE))
                 log = args.out.with_name(f"{args.out.stem}_server_{layout.context}.log")
                 say(f"starting the server for context {layout.context} (pool {pool} tokens; log {log})")
-                with Server(model, args.port or free_port(), pool, chunk, log, args.attention_backend) as server:
+                with Server(model, args.port or None, pool, chunk, log, args.attention_backend) as server:
                     pool = server.info()["max_total_num_tokens"]
                     servers.append({"context": layout.context, "url": server.url, "pool": pool, "log": str(log)})
                     server.flush()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,6 +38,14 @@ CPU_ARGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "tor
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 HOST = "127.0.0.1"
 STOP_TIMEOUT = 30.0
+# free_port draws from [_PORTS_LOW, _SGLANG_PORTS_LOW): SGLang draws its rendezvous port from
+# 22000 up (sglang.srt.utils.network.get_free_port_below_ephemeral).
+_PORTS_LOW = 10000
+_SGLANG_PORTS_LOW = 22000
+# What SGLang's HTTP server (uvicorn) logs when its port is taken.
+_BIND_FAILED = b"error while attempting to bind on address"
+# Fresh ports tried when the launcher picked the port and another process took it first.
+PORT_ATTEMPTS = 3
 
 
 def _stop_with_the_parent() -> None:
@@ -51,6 +60,10 @@ def _stop_with_the_parent() -> None:
 
 class ServerStartError(PenelopeError):
     """The server exited or did not become ready; the message names its log."""
+
+
+class PortInUseError(ServerStartError):
+    """The server could not bind its port (something else took it)."""
 
 
 def group_alive(pgid: int) -> bool:
@@ -88,7 +101,23 @@ def group_gone(process: subprocess.Popen, seconds: float) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    """A TCP port on 127.0.0.1 that nothing is bound to now, drawn below the kernel's ephemeral
+    range and below the range SGLang draws its own ports from: a port from the ephemeral range can
+    be taken, before the server binds it, as the local end of any outgoing connection (the
+    server's own start-up makes several), and an SGLang launcher that cannot bind its port does
+    not exit (it waits for its scheduler forever)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    high = min(_SGLANG_PORTS_LOW, ephemeral_low)
+    for port in random.sample(range(_PORTS_LOW, high), min(64, max(0, high - _PORTS_LOW))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((HOST, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((HOST, 0))
         return probe.getsockname()[1]
@@ -132,7 +161,19 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         """Start the server and wait until it is ready; ServerStartError (server stopped) if it
-        exits first or is not ready within the start-up timeout."""
+        exits first or is not ready within the start-up timeout. Where the launcher picked the
+        port and another process took it before the server bound it, it starts again on another
+        (`PORT_ATTEMPTS` in all)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except PortInUseError:
+                if self.spec.port is not None or attempt == PORT_ATTEMPTS:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> SGLangServer:
         self.spec.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.spec.log, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -153,6 +194,9 @@ class SGLangServer:
             if code is not None:
                 raise ServerStartError(f"sglang.launch_server exited with code {code} before it was ready "
                                        f"({self.log_tail()}; log: {self.spec.log})")
+            if self._bind_failed():
+                raise PortInUseError(f"sglang.launch_server could not bind {HOST}:{self.port}: another process "
+                                     f"uses the port (log: {self.spec.log})")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -161,7 +205,14 @@ class SGLangServer:
                 pass
             time.sleep(1.0)
         raise ServerStartError(f"sglang.launch_server did not answer {self.url}/health within "
-                               f"{self.spec.startup_timeout:g} s (log: {self.spec.log})")
+                               f"{self.spec.startup_timeout:g} s (last line of its log: {self.log_tail()}; "
+                               f"log: {self.spec.log})")
+
+    def _bind_failed(self) -> bool:
+        try:
+            return _BIND_FAILED in self.spec.log.read_bytes()
+        except OSError:
+            return False
 
     def log_tail(self) -> str:
         """The log's last non-empty line, for a one-line error."""

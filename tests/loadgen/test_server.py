@@ -1,13 +1,14 @@
 """The SGLang launcher of the load generator (`penelope.loadgen.server`) with stand-in server
 commands (the real server: `tests/loadgen/test_sglang.py`): a launcher that exits, or never
 answers, is one error naming its log, and its whole process group is gone afterwards."""
+import shlex
 import stat
 import sys
 import time
 
 import pytest
 
-from penelope.loadgen.server import ServerSpec, ServerStartError, SGLangServer, group_alive
+from penelope.loadgen.server import PortInUseError, ServerSpec, ServerStartError, SGLangServer, free_port, group_alive
 
 
 def fake_python(tmp_path, body: str):
@@ -71,3 +72,47 @@ def test_the_group_is_stopped_when_the_block_ends(tmp_path):
 def test_host_and_port_belong_to_the_launcher():
     with pytest.raises(ValueError, match="--host"):
         ServerSpec(model="m", log="x.log", args=("--host", "0.0.0.0"))
+
+
+# A stand-in for a launcher whose port is taken: it logs uvicorn's bind error and then hangs, as
+# SGLang's launcher does (it waits for its scheduler forever).
+_BIND_ERROR = "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): address already in use"
+_BIND_FAILS = f"echo {shlex.quote(_BIND_ERROR)}; sleep 300"
+
+
+def test_a_port_taken_before_the_server_binds_it_is_an_error_at_once_when_the_port_was_given(tmp_path):
+    python = fake_python(tmp_path, _BIND_FAILS)
+    server = SGLangServer(ServerSpec(model="m", log=tmp_path / "server.log", python=python, port=free_port(),
+                                     startup_timeout=60))
+    began = time.monotonic()
+    with pytest.raises(PortInUseError, match=r"could not bind 127.0.0.1:\d+: another process uses the port"):
+        server.start()
+    assert time.monotonic() - began < 30 and server.process is None
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced_when_the_launcher_picked_it(tmp_path):
+    # The stand-in fails to bind on its first start only, then serves.
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import http.server, pathlib, sys\n"
+        f"mark = pathlib.Path({str(tmp_path / 'tried')!r})\n"
+        "if not mark.exists():\n"
+        "    mark.write_text(sys.argv[sys.argv.index('--port') + 1])\n"
+        f"    print({_BIND_ERROR!r}, flush=True)\n"
+        "    import time; time.sleep(300)\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    python = fake_python(tmp_path, f'exec "{sys.executable}" "{script}" "$@"')
+    with SGLangServer(ServerSpec(model="m", log=tmp_path / "server.log", python=python, startup_timeout=60)) as server:
+        first = int((tmp_path / "tried").read_text())
+        assert server.port != first and server.url.endswith(f":{server.port}")
+
+
+def test_the_launcher_draws_ports_below_the_ephemeral_range():
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= port < min(22000, low) for port in ports) and len(ports) > 1
