@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from penelope.commands.fields import as_flags, field_flags
 from penelope.errors import Interrupted, PenelopeError, UsageError
@@ -73,26 +74,46 @@ def check_no_empty_values(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    """Run one command (`argv`: its arguments; None: this process's) and return its exit code."""
+    return _run(argv, program=False)
+
+
+def program() -> int:
+    """The `penelope` program (its console script and `python -m penelope.cli`): `main`, except
+    that once the command has ended on Ctrl-C or SIGTERM, further ones are ignored while the
+    process exits. A service manager or a terminal signals the whole group, often more than once;
+    Python restores the signals' default actions as it shuts down, so one arriving then would
+    kill the process without its exit code (130 or 143) or its one line."""
+    return _run(None, program=True)
+
+
+def _run(argv: list[str] | None, program: bool) -> int:
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    ending = _ignore_stop_signals if program and in_main_thread else (lambda: None)
     try:
-        return _main(argv)
+        return _main(argv, ending)
     except Terminated:
+        ending()
         _say("penelope: terminated")
         return EXIT_TERMINATED
     except KeyboardInterrupt:
-        if _terminated_too():
-            _say("penelope: terminated")
-            return EXIT_TERMINATED
-        _say("penelope: interrupted")
-        return EXIT_INTERRUPTED
+        terminated = _terminated_too()
+        ending()
+        _say(f"penelope: {'terminated' if terminated else 'interrupted'}")
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     finally:
-        if previous is not None:
+        if previous is not None and signal.getsignal(signal.SIGTERM) is _raise_terminated:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _main(argv: list[str] | None) -> int:
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None, ending: Callable[[], None]) -> int:
+    """The command's exit code; `ending()` is called when it ends on a signal, before its line."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -114,7 +135,9 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USAGE
     except Interrupted as err:
         # A command that saved its partial results on Ctrl-C (or SIGTERM) says what it kept.
-        if isinstance(err.__context__, Terminated) or _terminated_too():
+        terminated = isinstance(err.__context__, Terminated) or _terminated_too()
+        ending()
+        if terminated:
             _say(f"penelope: {one_line(err).replace('interrupted', 'terminated', 1)}")
             return EXIT_TERMINATED
         _say(f"penelope: {one_line(err)}")
@@ -161,4 +184,4 @@ def _silence_stdout() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(program())

@@ -315,3 +315,39 @@ def test_signals_to_the_whole_group_of_a_parallel_ensemble(tmp_path, signals, se
         raise AssertionError("the command hung after the signals, or lost them") from None
     assert process.returncode == code, err
     assert err.count("\n") == 1 and err.startswith(line) and "Traceback" not in err, err
+
+
+_ENDED_THEN_SIGNALLED = """
+import os, signal, sys
+import penelope.cli as cli
+import penelope.commands.cost as command
+from penelope.errors import Interrupted
+
+def run(args):
+    try:
+        raise {raised}
+    except KeyboardInterrupt:
+        if {saved}:
+            raise Interrupted("interrupted; kept 3 results")
+        raise
+
+command.run = run
+sys.argv = ["penelope", "cost"]
+code = cli.program()
+# The second and third signals of a group-wide Ctrl-C or stop, arriving while the process exits.
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize(("raised", "code", "line"), [("KeyboardInterrupt", 130, "penelope: interrupted"),
+                                                      ("cli.Terminated", 143, "penelope: terminated")])
+def test_signals_after_the_command_ended_on_one_keep_its_exit_code(raised, code, line, saved):
+    """Once the program has said it was interrupted or terminated, later Ctrl-C and SIGTERM (Python
+    restores their default actions as it shuts down) cannot kill it without its exit code."""
+    script = _ENDED_THEN_SIGNALLED.format(raised=raised, saved=saved)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == code, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith(line), run.stderr
