@@ -63,14 +63,15 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
 
 
 def check_no_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """An option given an empty text (`--trace ""`, a shell variable that was not set) is an
-    error: no option of any command takes one, and read as a path it would mean the current
-    folder or a default."""
+    """An argument given an empty text (`--trace ""`, `analyze ""`, a shell variable that was not
+    set) is an error: no argument of any command takes one, and read as a path it would mean the
+    current folder or a default."""
     for action in command_parser(parser, args.command)._actions:
         value = getattr(args, action.dest, None)
         values = value if isinstance(value, list) else [value]
-        if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
-            raise UsageError(f"{action.option_strings[-1]}: empty value")
+        if any(isinstance(v, str) and not v.strip() for v in values):
+            name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest.upper()
+            raise UsageError(f"{name}: empty value")
 
 
 def main(argv: list[str] | None = None) -> int:

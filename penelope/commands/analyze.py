@@ -93,6 +93,14 @@ def run(args) -> int:
             check_memory(replay_memory(workload, capacity, 64) * args.replicas,
                          f"replaying {workload.num_requests:,} requests in a cache of {format_size(capacity)} tokens "
                          f"on each of {args.replicas} replicas")
+    if args.replicas == 1:
+        given = [flag for flag, value in (("--router", args.router), ("--cache-threshold", args.cache_threshold),
+                                          ("--balance-abs-threshold", args.balance_abs_threshold),
+                                          ("--balance-rel-threshold", args.balance_rel_threshold)) if value is not None]
+        if given:
+            loop = "closed" if workload.closed_loop else "open"
+            raise UsageError(f"{given[0]} applies to replicas behind a router: this {loop}-loop workload is "
+                             "replayed on one server (give --replicas N > 1)")
     config = dataclasses.replace(setup.make_config(capacity), replicas=args.replicas)
 
     policies = ["sglang", "penelope"]

@@ -7,6 +7,8 @@ an ensemble of DEFAULT_REPEAT seeded, perturbed runs (`--repeat`), so every figu
 95% interval. Every step writes its JSON and plot into the output folder and prints its table."""
 from __future__ import annotations
 
+import os
+
 # Runs per replay setting: intervals narrow enough to tell the policies apart, and the whole job
 # within a few minutes on a 2-core machine.
 DEFAULT_REPEAT = 6
@@ -38,11 +40,12 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from penelope.cli import build_parser, main
+    from penelope.commands.fields import as_flags
     from penelope.commands.spec import simulation_spec
     from penelope.costmodel.shapes import get_model, model_path
     from penelope.errors import UsageError
     from penelope.outputs import check_folder, check_outputs
-    from penelope.sim.api import ensemble_runs
+    from penelope.sim.api import prepare
     from penelope.units import parse_size, parse_size_list
 
     # Every input is checked before the first step, so a bad one costs nothing and no step's
@@ -73,6 +76,8 @@ def run(args) -> int:
                            "--policies", "ablation", "--json", str(out / "ablation.json"),
                            "--plot", str(out / "ablation.png"), *replay]),
     ]
+    # The flag of reproduce that gives each replay's `gpu_cache`.
+    capacity_flags = {"simulate.json": "--sweep", "ablation.json": "--ablation-cache"}
     parser = build_parser()
     for _, argv in steps:
         try:
@@ -81,10 +86,15 @@ def run(args) -> int:
             # The parser has said what is wrong, in one line.
             return error.code if isinstance(error.code, int) else 2
         if parsed.command == "simulate":
-            # The replay options' ranges, checked before the first step writes anything.
-            ensemble_runs(simulation_spec(parsed))
+            # The replay's whole set-up (capacities against the workload, ranges, memory), checked
+            # before the first step writes anything.
             if parsed.limit_sessions is not None and parsed.limit_sessions < 1:
                 raise UsageError(f"--limit-sessions must be at least 1, got {parsed.limit_sessions}")
+            try:
+                prepare(simulation_spec(parsed))
+            except UsageError as error:
+                flag = capacity_flags[os.path.basename(parsed.json)]
+                raise UsageError(as_flags(str(error), {"gpu_cache": flag})) from None
     for number, (title, argv) in enumerate(steps, 1):
         print(f"\n== {number}/{len(steps)} {title}: penelope {' '.join(argv)}", flush=True)
         rc = main(argv)

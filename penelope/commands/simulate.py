@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from penelope.errors import UsageError
 from penelope.tables import format_table, percent
 from penelope.units import format_size
 
@@ -127,6 +128,8 @@ def run(args) -> int:
     from penelope.sim.api import prepare, simulate
     from penelope.sim.fleet.report import saturation_warnings
 
+    if args.per_replica and args.replicas == 1:
+        raise UsageError("--per-replica applies to --replicas N > 1 (one server has one table)")
     spec = simulation_spec(args, args.trace)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
     setup = prepare(spec)

@@ -132,6 +132,11 @@ def test_reproduce_checks_every_step_before_the_first(tmp_path, capsys):
     one_error(capsys, "--sweep: cannot read 'lots'")
     assert main(["reproduce", "--out", str(out), "--jobs", "two", "--no-progress"]) == 2
     one_error(capsys, "argument --jobs: invalid int value: 'two'")
+    # Capacities are checked against the workload, each named by its own flag.
+    assert main(["reproduce", "--out", str(out), "--ablation-cache", "16", "--no-progress"]) == 2
+    one_error(capsys, "--ablation-cache 16 is below one block of 64 tokens")
+    assert main(["reproduce", "--out", str(out), "--sweep", "64K,1K", "--no-progress"]) == 2
+    one_error(capsys, "--sweep 1K: no request of the workload fits in it")
     assert not out.exists() or files(out) == {}
 
 
