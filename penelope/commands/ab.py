@@ -12,6 +12,10 @@ from __future__ import annotations
 
 MAX_REPEAT = 100
 
+# Fields of the library's set-ups (named in its errors) that this command fills from an argument of
+# another name: `ServerSetup`'s page, attention and extra, the runner's repeats.
+FIELD_ARGUMENTS = {"page": "page_size", "attention": "attention_backend", "extra": "server_arg", "repeats": "repeat"}
+
 
 def add_parser(subparsers) -> None:
     from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
@@ -151,7 +155,7 @@ def run(args) -> int:
     if args.tlru_threshold is not None and args.tlru_next_prompt is not None:
         tlru = TLRUParams(args.tlru_threshold, args.tlru_next_prompt)
     setup = ServerSetup(model=args.model, pool=args.pool, device=args.device, page=args.page_size, chunk=args.chunk,
-                        seed=args.server_seed, attention=attention, host_tokens=args.host_tokens,
+                        server_seed=args.server_seed, attention=attention, host_tokens=args.host_tokens,
                         tlru=tlru or TLRUParams(1, 0), slru_protected=args.slru_protected,
                         extra=tuple(args.server_arg))
     # Names and combinations are checked before any model is written or workload read.

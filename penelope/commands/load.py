@@ -13,6 +13,9 @@ import sys
 
 MAX_REPEAT = 1000
 
+# `run_load`'s repeats is this command's --repeat (the library's errors name fields).
+FIELD_ARGUMENTS = {"repeats": "repeat"}
+
 
 def add_parser(subparsers) -> None:
     from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments

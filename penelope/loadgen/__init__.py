@@ -20,4 +20,7 @@ A library user probes a server, then replays:
     check_fits(workload, space := TokenSpace(target.vocab, scale=8), target)
     results = run_load(target, workload, space, LoadConfig(sessions=4), repeats=3)
     summaries = [summarize(r) for r in results]
+
+Errors are `UsageError`s that name the fields and parameters the library takes in backquotes
+(`url`, `max_requests`); the commands show them as their flags (`penelope.commands.fields`).
 """

@@ -62,7 +62,7 @@ class TLRUParams:
 @dataclass(frozen=True)
 class ServerSetup:
     """What every server of an A/B run shares. pool: KV tokens (`--max-total-tokens`); page,
-    chunk: `--page-size`, `--chunked-prefill-size`; seed: `--random-seed`; attention: the
+    chunk: `--page-size`, `--chunked-prefill-size`; server_seed: `--random-seed`; attention: the
     attention backend (None: SGLang's default, FA3 on Hopper); host_tokens: the host tier of
     `penelope-tier` and `sglang-hicache`; extra: further `sglang.launch_server` options."""
 
@@ -71,7 +71,7 @@ class ServerSetup:
     device: str = "cpu"
     page: int = 16
     chunk: int = 1024
-    seed: int = 0
+    server_seed: int = 0
     attention: str | None = CPU_ATTENTION
     host_tokens: int | None = None
     tlru: TLRUParams | None = None
@@ -80,27 +80,27 @@ class ServerSetup:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
-            raise UsageError(f"--device {self.device}: choose from {', '.join(DEVICES)}")
-        for flag, value, low in (("--pool", self.pool, 2), ("--page-size", self.page, 1),
-                                 ("--chunk", self.chunk, 1), ("--host-tokens", self.host_tokens, 1),
-                                 ("--slru-protected", self.slru_protected, 1)):
-            if value is None and flag in ("--host-tokens", "--slru-protected"):
+            raise UsageError(f"`device` {self.device}: choose from {', '.join(DEVICES)}")
+        for name, value, low in (("pool", self.pool, 2), ("page", self.page, 1), ("chunk", self.chunk, 1),
+                                 ("host_tokens", self.host_tokens, 1), ("slru_protected", self.slru_protected, 1)):
+            if value is None and name in ("host_tokens", "slru_protected"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UsageError(f"{flag} must be an integer of at least {low}, got {value!r}")
+                raise UsageError(f"`{name}` must be an integer of at least {low}, got {value!r}")
         if self.pool < 2 * self.page:
-            raise UsageError(f"--pool {self.pool} holds fewer than two pages of {self.page} tokens")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
-            raise UsageError(f"--server-seed must be in [0, 2**31), got {self.seed!r}")
+            raise UsageError(f"`pool` {self.pool} holds fewer than two pages of {self.page} tokens")
+        seed = self.server_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise UsageError(f"`server_seed` must be in [0, 2**31), got {seed!r}")
         if self.attention == CPU_ATTENTION and self.device != "cpu":
-            raise UsageError(f"--attention-backend {CPU_ATTENTION} runs on CPU only (--device {self.device})")
+            raise UsageError(f"`attention` {CPU_ATTENTION} runs on CPU only (`device` {self.device})")
         taken = {"--host", "--port", "--model-path", "--max-total-tokens", "--page-size", "--chunked-prefill-size",
                  "--random-seed", "--attention-backend", "--radix-cache-backend", "--radix-eviction-policy",
                  "--radix-eviction-policy-config", "--enable-session-radix-cache", "--enable-hierarchical-cache",
                  "--device"}
         clash = sorted(taken & {a.split("=")[0] for a in self.extra})
         if clash:
-            raise UsageError(f"--server-arg {clash[0]}: set by the A/B runner (an option of its own, or a "
+            raise UsageError(f"`extra` {clash[0]}: set by the A/B runner (an option of its own, or a "
                              "configuration's)")
 
     def common_args(self) -> tuple[str, ...]:
@@ -115,7 +115,7 @@ class ServerSetup:
             del cpu[at:at + 2]
             args += cpu
         args += ["--max-total-tokens", str(self.pool), "--page-size", str(self.page),
-                 "--chunked-prefill-size", str(self.chunk), "--random-seed", str(self.seed)]
+                 "--chunked-prefill-size", str(self.chunk), "--random-seed", str(self.server_seed)]
         if self.attention:
             args += ["--attention-backend", self.attention]
         return (*args, *self.extra)
@@ -174,11 +174,11 @@ def make_config(name: str, setup: ServerSetup) -> ABConfig:
         raise UsageError(f"{name}: only penelope and penelope-tier take a :POLICY")
     if base in GPU_ONLY and setup.device != "cuda":
         raise UsageError(f"{name} needs a GPU (SGLang's HiCache moves KV between device and host memory); "
-                         f"this run is on --device {setup.device}")
+                         f"this run is on `device` {setup.device}")
     if base == SGLANG_HICACHE:
         ratio = setup.host / setup.pool
         if ratio <= 1:
-            raise UsageError(f"{name}: --host-tokens ({setup.host}) must exceed the pool ({setup.pool}); "
+            raise UsageError(f"{name}: `host_tokens` ({setup.host}) must exceed the pool ({setup.pool}); "
                              "SGLang's host pool is larger than the device pool")
         return ABConfig(name, ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:g}"),
                         expect={"enable_hierarchical_cache": True})
@@ -218,7 +218,7 @@ def parse_configs(names: Sequence[str], setup: ServerSetup, baseline: str | None
     configs = [make_config(name, setup) for name in names]
     baseline = names[0] if baseline is None else baseline
     if baseline not in seen:
-        raise UsageError(f"--baseline {baseline!r} is not one of the configurations ({', '.join(names)})")
+        raise UsageError(f"`baseline` {baseline!r} is not one of the configurations ({', '.join(names)})")
     return configs, baseline
 
 

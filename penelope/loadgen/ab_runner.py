@@ -67,7 +67,7 @@ SERVER_MODES = (FRESH, KEPT, RESIDENT)
 
 def run_order(configs: int, repeats: int, servers: str = FRESH) -> list[tuple[int, int]]:
     """(round, configuration index) of every run, in the order they run (see the module docstring)."""
-    for name, value in (("configurations", configs), ("--repeat", repeats)):
+    for name, value in (("configurations", configs), ("`repeats`", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be at least 1, got {value!r}")
     if servers not in SERVER_MODES:
@@ -212,10 +212,10 @@ class ABRunner:
         self.start_server = start_server
         self.api, self.vocab = api, vocab
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise UsageError(f"--warmup must be a non-negative integer, got {warmup!r}")
+            raise UsageError(f"`warmup` must be a non-negative integer, got {warmup!r}")
         if warmup_requests is not None and (isinstance(warmup_requests, bool) or not isinstance(warmup_requests, int)
                                             or warmup_requests < 1):
-            raise UsageError(f"--warmup-requests must be at least 1, got {warmup_requests!r}")
+            raise UsageError(f"`warmup_requests` must be at least 1, got {warmup_requests!r}")
         self.warmup = warmup
         self.warmup_load = self.load
         if warmup_requests is not None:

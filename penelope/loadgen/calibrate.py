@@ -53,34 +53,34 @@ class CalibrationPlan:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        """UsageError naming the option when the plan cannot give three points to each fit."""
+        """UsageError naming the fields when the plan cannot give three points to each fit."""
         for name in ("prefixes", "new_tokens", "batches", "contexts"):
             values = getattr(self, name)
             if not values or any(v < (0 if name == "prefixes" else 1) for v in values):
-                raise UsageError(f"--{name.replace('_', '-')}: give positive token counts, got {list(values)}")
+                raise UsageError(f"`{name}`: give positive token counts, got {list(values)}")
         if self.decode_tokens < 2:
-            raise UsageError(f"--decode-tokens must be at least 2 (a step is the time between two tokens), got "
+            raise UsageError(f"`decode_tokens` must be at least 2 (a step is the time between two tokens), got "
                              f"{self.decode_tokens}")
         if self.repeat < 1:
-            raise UsageError(f"--repeat must be at least 1, got {self.repeat}")
+            raise UsageError(f"`repeat` must be at least 1, got {self.repeat}")
         if len(self.prefixes) * len(self.new_tokens) * self.repeat < 3:
-            raise UsageError("--prefixes x --new-tokens x --repeat gives fewer than 3 prefill points: the fit of 3 "
+            raise UsageError("`prefixes` x `new_tokens` x `repeat` gives fewer than 3 prefill points: the fit of 3 "
                              "constants needs at least 3")
         if len(self.contexts) * len(self.batches) * self.repeat < 3:
-            raise UsageError("--contexts x --batches x --repeat gives fewer than 3 decode points: the fit of 3 "
+            raise UsageError("`contexts` x `batches` x `repeat` gives fewer than 3 decode points: the fit of 3 "
                              "constants needs at least 3")
 
     def check(self, target: Target) -> None:
-        """UsageError naming the options when a request of the plan cannot fit `target`'s context."""
+        """UsageError naming the fields when a request of the plan cannot fit `target`'s context."""
         if target.max_total is None:
             return
         prefill = max(self.prefixes) + max(self.new_tokens)
         if prefill > target.max_total:
-            raise UsageError(f"--prefixes + --new-tokens: a prefill point of {prefill:,} tokens does not fit the "
+            raise UsageError(f"`prefixes` + `new_tokens`: a prefill point of {prefill:,} tokens does not fit the "
                              f"server's context ({target.max_total:,} tokens)")
         decode = max(self.contexts) + self.decode_tokens
         if decode > target.max_total:
-            raise UsageError(f"--contexts + --decode-tokens: a decode point of {decode:,} tokens does not fit the "
+            raise UsageError(f"`contexts` + `decode_tokens`: a decode point of {decode:,} tokens does not fit the "
                              f"server's context ({target.max_total:,} tokens)")
 
 
@@ -223,8 +223,8 @@ def read_points(path: str) -> tuple[Points, dict]:
     data = read_json(path, "points file", MAX_POINTS_BYTES)
     if not isinstance(data, dict) or not isinstance(data.get("prefill"), list) \
             or not isinstance(data.get("decode"), list):
-        raise UsageError(f"points file {path}: expected a JSON object with lists 'prefill' and 'decode' (as "
-                         "penelope calibrate --points writes)")
+        raise UsageError(f"points file {path}: expected a JSON object with lists 'prefill' and 'decode' (the "
+                         "points file penelope calibrate writes)")
     points = Points()
     for i, entry in enumerate(data["prefill"]):
         if not (isinstance(entry, list) and len(entry) == 4 and _counts(entry[:2]) and _seconds(entry[2])

@@ -35,9 +35,9 @@ def model_scale(model: str) -> float:
     try:
         scale = float(text)
     except ValueError:
-        raise UsageError(f"--model {model}: expected scale:S with S a number (the scale of Qwen3-8B)") from None
+        raise UsageError(f"`model` {model}: expected scale:S with S a number (the scale of Qwen3-8B)") from None
     if not (math.isfinite(scale) and 1 <= scale <= 256):
-        raise UsageError(f"--model {model}: the scale must be in [1, 256]")
+        raise UsageError(f"`model` {model}: the scale must be in [1, 256]")
     return scale
 
 

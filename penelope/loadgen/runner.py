@@ -68,14 +68,14 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.sessions, bool) or not isinstance(self.sessions, int) or self.sessions < 1:
-            raise UsageError(f"--sessions must be at least 1, got {self.sessions!r}")
+            raise UsageError(f"`sessions` must be at least 1, got {self.sessions!r}")
         if self.max_requests is not None and self.max_requests < 1:
-            raise UsageError(f"--max-requests must be at least 1, got {self.max_requests}")
-        for flag, value in (("--duration", self.duration), ("--read-timeout", self.read_timeout)):
+            raise UsageError(f"`max_requests` must be at least 1, got {self.max_requests}")
+        for name, value in (("duration", self.duration), ("read_timeout", self.read_timeout)):
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+                raise UsageError(f"`{name}` must be a positive number of seconds, got {value}")
         if not (math.isfinite(self.sampling.temperature) and self.sampling.temperature >= 0):
-            raise UsageError(f"--temperature must be a non-negative number, got {self.sampling.temperature}")
+            raise UsageError(f"`temperature` must be a non-negative number, got {self.sampling.temperature}")
 
 
 @dataclass
@@ -107,8 +107,8 @@ def check_fits(workload: Workload, space: TokenSpace, target: Target, max_reques
                 limit = f"prompts up to {target.max_prompt:,}" if too_long else f"{target.max_total:,} in all"
                 raise UsageError(
                     f"{request.source}: a prompt of {prompt:,} tokens and a reply of {reply:,} do not fit the "
-                    f"server's context ({limit}, at --scale {space.scale:g}); scale the workload down (--scale), "
-                    "or leave the longest requests out (--max-context, --turns)")
+                    f"server's context ({limit}, at `scale` {space.scale:g}); scale the workload down (`scale`), "
+                    "or leave the longest requests out (`max_context`, `turns`)")
 
 
 class _Run:
@@ -281,7 +281,7 @@ def run_load(target: Target, workload: Workload, space: TokenSpace, config: Load
     server's cache flushed before each when `flush`; `on_run` is called after each run.
     Ctrl-C and SIGTERM: see the module docstring."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise UsageError(f"--repeat must be at least 1, got {repeats!r}")
+        raise UsageError(f"`repeats` must be at least 1, got {repeats!r}")
 
     async def runs() -> list[RunResult]:
         results = []

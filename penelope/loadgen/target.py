@@ -81,14 +81,14 @@ def base_url(url: str) -> str:
     """`url` without a trailing slash; UsageError unless it is http(s)://host[:port]."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"--url {url}: expected http://HOST:PORT")
+        raise UsageError(f"`url` {url}: expected http://HOST:PORT")
     try:
         # urllib checks the port only when asked for it.
         _ = parts.port
     except ValueError:
-        raise UsageError(f"--url {url}: the port is not a number in [0, 65535]") from None
+        raise UsageError(f"`url` {url}: the port is not a number in [0, 65535]") from None
     if parts.path not in ("", "/") or parts.query:
-        raise UsageError(f"--url {url}: give the server's address without a path (the API path is added)")
+        raise UsageError(f"`url` {url}: give the server's address without a path (the API path is added)")
     return url.rstrip("/")
 
 
@@ -127,7 +127,7 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
     """Ask the server at `url` what `Target` needs (see the module docstring); UsageError with
     one line when it cannot be reached, does not serve `api`, or does not say its vocabulary."""
     if api not in APIS:
-        raise UsageError(f"--api {api}: choose from {', '.join(APIS)}")
+        raise UsageError(f"`api` {api}: choose from {', '.join(APIS)}")
     url = base_url(url)
     try:
         info = await _get_json(http, url + "/server_info") or {}
@@ -146,7 +146,7 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
     vocab = vocab if vocab is not None else _vocab_of(model_info.get("model_path") or info.get("model_path"))
     if vocab is None:
         raise UsageError(f"{url} does not say its vocabulary size (its model folder is not readable here); "
-                         "give --vocab N (ids at or above it crash the server)")
+                         "give `vocab` N (ids at or above it crash the server)")
     max_prompt, max_total = _context(info, listed[0], context)
     target = Target(
         url=url, api=api, vocab=vocab, model=model, max_prompt=max_prompt, max_total=max_total,
@@ -157,7 +157,7 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
     )
     record = await probe_request(http, target)
     if not record.ok:
-        hint = "" if record.http_status != 404 else f" (no {PATHS[api]} there: another --api?)"
+        hint = "" if record.http_status != 404 else f" (no {PATHS[api]} there: another `api`?)"
         raise UsageError(f"{target.endpoint}: a one-token request failed: {record.error}{hint}")
     return dataclasses.replace(target, ids_from_server=record.reply_ids == "server",
                                cache_report=target.cache_report or record.cached_tokens is not None)

@@ -59,11 +59,11 @@ class TokenSpace:
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or not 2 <= self.vocab <= MAX_VOCAB:
-            raise UsageError(f"--vocab must be an integer in [2, 2**31], got {self.vocab!r}")
+            raise UsageError(f"`vocab` must be an integer in [2, 2**31], got {self.vocab!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise UsageError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise UsageError(f"`seed` must be an integer in [0, 2**63), got {self.seed!r}")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale >= 1):
-            raise UsageError(f"--scale must be a number of at least 1 (it divides token counts), got {self.scale!r}")
+            raise UsageError(f"`scale` must be a number of at least 1 (it divides token counts), got {self.scale!r}")
 
     def count(self, tokens: int) -> int:
         """A trace's token count, scaled (at least 1)."""

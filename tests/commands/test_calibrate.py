@@ -117,7 +117,10 @@ def test_a_server_whose_times_do_not_follow_the_model_is_refused(tmp_path, capsy
     (["--prefixes", "a"], "--prefixes: cannot read 'a'"),
     (["--new-tokens", ""], "--new-tokens"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--contexts", "200000"], "does not fit the server's context"),
+    (["--contexts", "200000"], "--contexts + --decode-tokens: a decode point of 200,032 tokens does not fit the "
+     "server's context"),
+    (["--prefixes", "200000"], "--prefixes + --new-tokens: a prefill point of 201,024 tokens does not fit the "
+     "server's context"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
     with TimedStub(max_input=100_000) as stub:
@@ -168,10 +171,12 @@ def test_a_server_whose_tokens_arrive_together_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prefixes", "0", "--new-tokens", "16,64", "--repeat", "1"], "fewer than 3 prefill points"),
-    (["--contexts", "64", "--batches", "1", "--repeat", "2"], "fewer than 3 decode points"),
-    (["--decode-tokens", "1"], "--decode-tokens must be at least 2"),
-    (["--repeat", "0"], "--repeat must be at least 1"),
+    (["--prefixes", "0", "--new-tokens", "16,64", "--repeat", "1"],
+     "--prefixes x --new-tokens x --repeat gives fewer than 3 prefill points: the fit of 3 constants needs at least 3"),
+    (["--contexts", "64", "--batches", "1", "--repeat", "2"],
+     "--contexts x --batches x --repeat gives fewer than 3 decode points: the fit of 3 constants needs at least 3"),
+    (["--decode-tokens", "1"], "--decode-tokens must be at least 2 (a step is the time between two tokens), got 1"),
+    (["--repeat", "0"], "--repeat must be at least 1, got 0"),
 ])
 def test_a_plan_too_small_to_fit_is_refused_before_the_server_is_asked(tmp_path, capsys, argv, message):
     # An unreachable server: the plan is refused first.
@@ -179,6 +184,34 @@ def test_a_plan_too_small_to_fit_is_refused_before_the_server_is_asked(tmp_path,
                  *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "127.0.0.1:9" not in err
+
+
+def test_the_plan_names_its_fields_and_the_command_its_flags(tmp_path, capsys):
+    """Called as a library, `CalibrationPlan` and the probe name their fields; `penelope calibrate`
+    shows each as the flag typed."""
+    from penelope.errors import UsageError
+    from penelope.loadgen.calibrate import CalibrationPlan
+    from penelope.loadgen.target import Target
+
+    for plan, message in ((dict(prefixes=(0,), new_tokens=(16, 64), repeat=1),
+                           "`prefixes` x `new_tokens` x `repeat` gives fewer than 3 prefill points"),
+                          (dict(decode_tokens=1), "`decode_tokens` must be at least 2"),
+                          (dict(batches=(0, 1)), "`batches`: give positive token counts, got [0, 1]")):
+        with pytest.raises(UsageError) as err:
+            CalibrationPlan(**plan)
+        assert str(err.value).startswith(message)
+    target = Target(url="http://127.0.0.1:9", api="generate", vocab=1000, max_total=16_400)
+    with pytest.raises(UsageError, match="^`prefixes` \\+ `new_tokens`: a prefill point of 17,408 tokens"):
+        CalibrationPlan().check(target)
+    with pytest.raises(UsageError, match="^`contexts` \\+ `decode_tokens`: a decode point of 16,416 tokens"):
+        CalibrationPlan(prefixes=(0, 1024)).check(target)
+    out = str(tmp_path / "c.json")
+    assert main(["calibrate", "--url", "ftp://127.0.0.1:9", "--model", "qwen3-8b", "--out", out]) == 2
+    assert capsys.readouterr().err == "penelope: error: --url ftp://127.0.0.1:9: expected http://HOST:PORT\n"
+    with TimedStub() as stub:
+        assert main(["calibrate", "--url", stub.url, "--model", "qwen3-8b", "--out", out, *PLAN]) == 2
+    err = capsys.readouterr().err
+    assert "does not say its vocabulary size" in err and "; give --vocab N (ids at or above it crash" in err, err
 
 
 def test_a_server_failing_mid_run_is_a_fault_and_keeps_the_points(tmp_path, capsys):
@@ -337,7 +370,7 @@ def test_a_saved_points_file_is_refitted_without_a_server(tmp_path, capsys):
 @pytest.mark.parametrize("content, argv, message", [
     (None, [], "points file not found"),
     ("{", [], "points file"),
-    ("[]", [], "expected a JSON object with lists 'prefill' and 'decode'"),
+    ("[]", [], "expected a JSON object with lists 'prefill' and 'decode' (the points file penelope calibrate writes)"),
     ('{"c_lin": C, "prefill": [[1, 2]], "decode": []}', [], "prefill[0] is [1, 2], expected"),
     ('{"c_lin": C, "prefill": [], "decode": [[0, 10, 0.1]]}', [], "decode[0] is [0, 10, 0.1], expected"),
     ('{"c_lin": C, "prefill": [], "decode": [[1, 0, 0.1], [2, 10, 0.2], [4, 20, 0.3]]}', [],

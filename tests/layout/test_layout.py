@@ -1,6 +1,6 @@
 """The project's layout rules, checked on its source: no import circles between its modules, and
-the simulator's library names the fields of its set-ups in errors, never the CLI's flags (only
-`penelope.commands` maps one to the other)."""
+the libraries of the simulator and the load generator name the fields of their set-ups in errors,
+never the CLI's flags (only `penelope.commands` maps one to the other)."""
 import ast
 import re
 
@@ -29,9 +29,9 @@ def _raised_texts(path):
             yield node.lineno, ast.unparse(node.exc)
 
 
-# The simulator's library, and what it calls outside penelope/sim to check a spec.
-LIBRARY = [*sorted((import_graph.ROOT / "penelope" / "sim").rglob("*.py")),
-           import_graph.ROOT / "penelope" / "loadgen" / "prime.py"]
+# The libraries of the simulator and of the load generator (`penelope load`, `ab`, `calibrate`).
+LIBRARY = sorted([*(import_graph.ROOT / "penelope" / "sim").rglob("*.py"),
+                  *(import_graph.ROOT / "penelope" / "loadgen").glob("*.py")])
 
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda path: str(path.relative_to(import_graph.ROOT)))

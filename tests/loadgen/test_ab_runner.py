@@ -73,7 +73,7 @@ def test_configuration_names_give_each_cache_its_options():
     (["sglang-lru:x", "penelope"], None, SETUP, "only penelope and penelope-tier take a :POLICY"),
     (["penelope", "penelope"], None, SETUP, "named twice"),
     (["penelope"], None, SETUP, "at least two configurations"),
-    (["penelope", "sglang-lru"], "sglang-lfu", SETUP, "--baseline 'sglang-lfu' is not one of"),
+    (["penelope", "sglang-lru"], "sglang-lfu", SETUP, "`baseline` 'sglang-lfu' is not one of"),
     (["penelope", "sglang-hicache"], None, SETUP, "sglang-hicache needs a GPU"),
 ])
 def test_bad_configurations_are_one_line(names, baseline, setup, message):
@@ -91,6 +91,72 @@ def test_bad_server_setups_are_one_line():
         ServerSetup(model="/m", pool=4096, extra=("--radix-eviction-policy=lfu",))
     with pytest.raises(UsageError, match="fewer than two pages"):
         ServerSetup(model="/m", pool=16, page=16)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(server_seed=-1), "`server_seed` must be in [0, 2**31), got -1"),
+    (dict(page=0), "`page` must be an integer of at least 1, got 0"),
+    (dict(host_tokens=True), "`host_tokens` must be an integer of at least 1, got True"),
+    (dict(pool=16, page=16), "`pool` 16 holds fewer than two pages of 16 tokens"),
+    (dict(device="tpu"), "`device` tpu: choose from cpu, cuda"),
+    (dict(device="cuda"), "`attention` torch_native_prefix runs on CPU only (`device` cuda)"),
+    (dict(extra=("--random-seed=3",)), "`extra` --random-seed: set by the A/B runner"),
+])
+def test_the_library_names_the_fields_of_a_server_setup(changes, message):
+    """Called as a library, the errors name `ServerSetup`'s fields (the command shows its flags)."""
+    with pytest.raises(UsageError) as err:
+        ServerSetup(**{"model": "/m", "pool": 4096, **changes})
+    assert str(err.value).startswith(message)
+
+
+def test_the_library_names_the_fields_of_configurations_and_runs():
+    gpu = ServerSetup(model="/m", pool=4096, device="cuda", attention=None, host_tokens=100)
+    with pytest.raises(UsageError, match=r"sglang-hicache: `host_tokens` \(100\) must exceed the pool \(4096\)"):
+        make_config("sglang-hicache", gpu)
+    with pytest.raises(UsageError, match="sglang-hicache needs a GPU .*; this run is on `device` cpu"):
+        make_config("sglang-hicache", SETUP)
+    with pytest.raises(UsageError, match="`repeats` must be at least 1, got 0"):
+        run_order(2, 0)
+    with pytest.raises(UsageError, match="`warmup` must be a non-negative integer, got -1"):
+        ABRunner([], "", small_workload(), LoadConfig(), scale=1.0, seed=0, page=16, out=None, start_server=None,
+                 warmup=-1)
+
+
+@pytest.mark.parametrize("configs, argv, message", [
+    ([], ["--server-seed", "-1"], "--server-seed must be in [0, 2**31), got -1"),
+    # The workload's seed (`TokenSpace.seed`) is another flag than the servers' (`server_seed`).
+    ([], ["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+    ([], ["--page-size", "0"], "--page-size must be an integer of at least 1, got 0"),
+    ([], ["--chunk", "0"], "--chunk must be an integer of at least 1, got 0"),
+    ([], ["--slru-protected", "0"], "--slru-protected must be an integer of at least 1, got 0"),
+    ([], ["--pool", "16"], "--pool 16 holds fewer than two pages of 16 tokens"),
+    ([], ["--device", "cuda", "--attention-backend", "torch_native_prefix"],
+     "--attention-backend torch_native_prefix runs on CPU only (--device cuda)"),
+    ([], ["--server-arg=--random-seed=3"],
+     "--server-arg --random-seed: set by the A/B runner (an option of its own, or a configuration's)"),
+    ([], ["--baseline", "sglang-lfu"],
+     "--baseline 'sglang-lfu' is not one of the configurations (penelope, sglang-lru)"),
+    (["sglang-hicache"], [], "sglang-hicache needs a GPU (SGLang's HiCache moves KV between device and host memory); "
+     "this run is on --device cpu"),
+    (["sglang-hicache"], ["--device", "cuda", "--host-tokens", "100"],
+     "sglang-hicache: --host-tokens (100) must exceed the pool (4096)"),
+    ([], ["--model", "scale:0.5"], "--model scale:0.5: the scale must be in [1, 256]"),
+    ([], ["--model", "scale:x"], "--model scale:x: expected scale:S with S a number"),
+    ([], ["--vocab", str(2**31 + 1)], "--vocab must be an integer in [2, 2**31], got 2147483649"),
+    ([], ["--scale", "0.5"], "--scale must be a number of at least 1 (it divides token counts), got 0.5"),
+    ([], ["--sessions", "0"], "--sessions must be at least 1, got 0"),
+    ([], ["--max-requests", "0"], "--max-requests must be at least 1, got 0"),
+    ([], ["--read-timeout", "0"], "--read-timeout must be a positive number of seconds, got 0.0"),
+])
+def test_the_command_names_the_flags_it_was_given(tmp_path, capsys, configs, argv, message):
+    """The library's errors name fields; `penelope ab` shows each as the flag typed (its own name
+    or a renamed one: `page` is --page-size, `attention` --attention-backend, `extra` --server-arg)."""
+    out = tmp_path / "out"
+    assert main(["ab", "penelope", *(configs or ["sglang-lru"]), "--model", "tiny", "--pool", "4096",
+                 "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"penelope: error: {message}") and err.count("\n") == 1, err
+    assert "`" not in err and not out.exists()
 
 
 def test_the_command_refuses_bad_input_before_any_server(tmp_path, capsys):

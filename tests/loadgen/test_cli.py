@@ -45,13 +45,18 @@ def _bad_jsonl(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--vocab", "10"], "cannot reach the server at"),
     (lambda url, tmp: ["--url", url, "--api", "openai", "--vocab", "10"], "a one-token request failed: HTTP 404"),
+    (lambda url, tmp: ["--url", url, "--api", "openai", "--vocab", "10"], "(no /v1/completions there: another --api?)"),
     (lambda url, tmp: ["--url", url, "--vocab", "1000", *_bad_jsonl(tmp)], "bad.jsonl:1: 'output_length'"),
     (lambda url, tmp: ["--url", url, "--vocab", "1000", "--max-context", "128K"], "do not fit the server's context"),
+    (lambda url, tmp: ["--url", url, "--vocab", "1000", "--max-context", "128K"],
+     "at --scale 1); scale the workload down (--scale), or leave the longest requests out (--max-context, --turns)"),
     (lambda url, tmp: ["--url", url, "--vocab", "1000", "--scale", "0.5"], "--scale must be a number of at least 1"),
     (lambda url, tmp: ["--url", url, "--vocab", "1000", "--sessions", "0"], "--sessions must be at least 1"),
     (lambda url, tmp: ["--url", url, "--vocab", "1000", "--repeat", "0"], "--repeat must be in [1, 1000]"),
-    (lambda url, tmp: ["--url", url + "/generate", "--vocab", "10"], "without a path"),
-    (lambda url, tmp: ["--url", url], "does not say its vocabulary size"),
+    (lambda url, tmp: ["--url", url + "/generate", "--vocab", "10"], "/generate: give the server's address without "
+     "a path (the API path is added)"),
+    (lambda url, tmp: ["--url", url], "does not say its vocabulary size (its model folder is not readable here); "
+     "give --vocab N (ids at or above it crash the server)"),
     # The workload's options are checked before the server is contacted.
     (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--trace", "/no/such/trace"], "/no/such/trace: no such trace"),
     (lambda url, tmp: ["--url", "http://127.0.0.1:9", "--think-time", "sometimes"], "--think-time: cannot read"),
@@ -63,6 +68,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("penelope: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--url", "ftp://127.0.0.1:9"], "--url ftp://127.0.0.1:9: expected http://HOST:PORT"),
+    (["--url", "http://127.0.0.1:99999"], "--url http://127.0.0.1:99999: the port is not a number in [0, 65535]"),
+    (["--url", "http://127.0.0.1:9/v1"], "--url http://127.0.0.1:9/v1: give the server's address without a path "
+     "(the API path is added)"),
+    (["--vocab", str(2**31 + 1)], "--vocab must be an integer in [2, 2**31], got 2147483649"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+    (["--scale", "nan"], "--scale must be a number of at least 1 (it divides token counts), got nan"),
+    (["--sessions", "0"], "--sessions must be at least 1, got 0"),
+    (["--max-requests", "0"], "--max-requests must be at least 1, got 0"),
+    (["--duration", "-1"], "--duration must be a positive number of seconds, got -1.0"),
+    (["--read-timeout", "0"], "--read-timeout must be a positive number of seconds, got 0.0"),
+    (["--temperature", "-1"], "--temperature must be a non-negative number, got -1.0"),
+])
+def test_the_librarys_fields_are_shown_as_the_flags_typed(capsys, argv, message):
+    """The load generator's errors name its fields (`url`, `max_requests`); `penelope load` names
+    the flags, before any server is contacted."""
+    assert main(["load", "--url", "http://127.0.0.1:9", "--no-progress", *argv]) == 2
+    assert capsys.readouterr().err == f"penelope: error: {message}\n"
 
 
 def test_a_prompt_longer_than_the_servers_context_is_named(capsys):

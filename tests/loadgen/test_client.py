@@ -9,7 +9,7 @@ from penelope.errors import UsageError
 from penelope.loadgen.apis import GENERATE, OPENAI
 from penelope.loadgen.client import Sampling, request_body, stream_request
 from penelope.loadgen.records import RequestRecord
-from penelope.loadgen.target import client_session, probe, probe_server
+from penelope.loadgen.target import base_url, client_session, probe, probe_server
 
 PROMPT = list(range(40, 60))
 
@@ -122,16 +122,30 @@ def test_a_server_that_is_not_sglang_is_one_line():
 def test_an_unreachable_server_or_a_wrong_api_is_one_line():
     with StubServer(apis=(OPENAI,)) as stub:
         url = stub.url
-        with pytest.raises(UsageError, match="/generate: a one-token request failed: HTTP 404.*another --api"):
+        with pytest.raises(UsageError, match="/generate: a one-token request failed: HTTP 404.*another `api`"):
             probe_server(stub.url, GENERATE, vocab=10)
-        with pytest.raises(UsageError, match="does not say its vocabulary size"):
+        with pytest.raises(UsageError, match="does not say its vocabulary size .*; give `vocab` N"):
             probe_server(stub.url, OPENAI)
-        with pytest.raises(UsageError, match="--api grpc: choose from generate, openai"):
+        with pytest.raises(UsageError, match="`api` grpc: choose from generate, openai"):
             probe_server(stub.url, "grpc", vocab=10)
     with pytest.raises(UsageError, match=f"cannot reach the server at {url}"):
         probe_server(url, GENERATE, vocab=10)
-    with pytest.raises(UsageError, match="expected http://HOST:PORT"):
+    with pytest.raises(UsageError, match="`url` localhost:30000: expected http://HOST:PORT"):
         probe_server("localhost:30000", GENERATE, vocab=10)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("ftp://127.0.0.1:30000", "`url` ftp://127.0.0.1:30000: expected http://HOST:PORT"),
+    ("http://127.0.0.1:99999", "`url` http://127.0.0.1:99999: the port is not a number in [0, 65535]"),
+    ("http://127.0.0.1:30000/generate", "`url` http://127.0.0.1:30000/generate: give the server's address without a "
+     "path"),
+])
+def test_a_bad_address_names_the_url_field(url, message):
+    """The library names its parameter (`url`); `penelope load` and `calibrate` show it as --url."""
+    with pytest.raises(UsageError) as err:
+        base_url(url)
+    assert str(err.value).startswith(message)
+    assert base_url("http://127.0.0.1:30000/") == "http://127.0.0.1:30000"
 
 
 def test_the_probe_reads_the_servers_limits_and_settings(tmp_path):

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from loadgen_stub import StubServer
 
+from penelope.errors import UsageError
 from penelope.loadgen.apis import GENERATE, OPENAI
+from penelope.loadgen.client import Sampling
 from penelope.loadgen.runner import DONE, DURATION, MAX_REQUESTS, LoadConfig, check_fits, run_load
 from penelope.loadgen.summary import summarize
-from penelope.loadgen.target import probe_server
+from penelope.loadgen.target import Target, probe_server
 from penelope.loadgen.tokens import TokenSpace
 from penelope.sim.workloads.load import parse_think_time
 from penelope.sim.workloads.mooncake import load_mooncake
@@ -50,6 +52,31 @@ def sent_by_session(stub):
         if body.get("session_id"):
             sessions.setdefault(body["session_id"], []).append(body)
     return {sid: sorted(bodies, key=lambda b: int(b["rid"].rsplit("/", 1)[1])) for sid, bodies in sessions.items()}
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(sessions=0), "`sessions` must be at least 1, got 0"),
+    (dict(max_requests=0), "`max_requests` must be at least 1, got 0"),
+    (dict(duration=0.0), "`duration` must be a positive number of seconds, got 0.0"),
+    (dict(read_timeout=float("inf")), "`read_timeout` must be a positive number of seconds, got inf"),
+    (dict(sampling=Sampling(temperature=-1.0)), "`temperature` must be a non-negative number, got -1.0"),
+])
+def test_a_bad_config_names_the_field(config, message):
+    """The library names its own fields (`penelope load` shows them as --sessions, --max-requests...)."""
+    with pytest.raises(UsageError) as err:
+        LoadConfig(**config)
+    assert str(err.value) == message
+
+
+def test_a_request_too_long_for_the_server_names_the_fields_that_shorten_it():
+    target = Target(url="http://127.0.0.1:9", api=GENERATE, vocab=1000, max_prompt=100)
+    workload, space = small_workload(), TokenSpace(vocab=1000, scale=2)
+    with pytest.raises(UsageError) as err:
+        check_fits(workload, space, target)
+    assert str(err.value).endswith("(prompts up to 100, at `scale` 2); scale the workload down (`scale`), or leave "
+                                   "the longest requests out (`max_context`, `turns`)")
+    with pytest.raises(UsageError, match="^`repeats` must be at least 1, got 0$"):
+        run_load(target, workload, space, LoadConfig(), repeats=0)
 
 
 @pytest.mark.parametrize("api", [GENERATE, OPENAI])

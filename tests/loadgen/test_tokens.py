@@ -111,8 +111,9 @@ def test_planned_lengths_are_the_lengths_sent():
     assert kinds == {TOOL, HUMAN}
 
 
-def test_bad_spaces_are_refused():
-    for bad in (dict(vocab=1), dict(vocab=2**32), dict(vocab=10, scale=0.5), dict(vocab=10, seed=-1),
-                dict(vocab=10, scale=float("nan"))):
-        with pytest.raises(UsageError):
+def test_bad_spaces_are_refused_naming_the_field():
+    for bad, field in ((dict(vocab=1), "vocab"), (dict(vocab=2**32), "vocab"), (dict(vocab=10, scale=0.5), "scale"),
+                       (dict(vocab=10, seed=-1), "seed"), (dict(vocab=10, scale=float("nan")), "scale")):
+        # The library's own names; `penelope load` and `ab` show them as --vocab, --scale, --seed.
+        with pytest.raises(UsageError, match=f"^`{field}` must be "):
             TokenSpace(**bad)
