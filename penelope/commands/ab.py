@@ -116,19 +116,20 @@ def run(args) -> int:
         check_workload_options,
         left_out_line,
         load_from_args,
+        workload_inputs,
     )
     from penelope.errors import Interrupted, UsageError
     from penelope.jsonfile import json_ready
     from penelope.loadgen.ab_configs import CPU_ATTENTION, ServerSetup, TLRUParams, default_tlru, parse_configs
     from penelope.loadgen.ab_report import plot_ab, report_payload, report_text
-    from penelope.loadgen.ab_runner import FRESH, KEPT, RESIDENT, ABRunner, sglang_server_factory
+    from penelope.loadgen.ab_runner import FRESH, KEPT, RESIDENT, ABRunner, run_outputs, sglang_server_factory
     from penelope.loadgen.client import Sampling
     from penelope.loadgen.models import config_value, is_generated, model_scale, prepare_model
     from penelope.loadgen.prime import check_prime
     from penelope.loadgen.runner import LoadConfig
     from penelope.loadgen.server import CPU_ENV
     from penelope.loadgen.tokens import TokenSpace
-    from penelope.outputs import check_folder
+    from penelope.outputs import check_folder, check_outputs
     from penelope.sim.workloads.time_scale import check_time_scale, scale_time
     from penelope.sim.workloads.turns import parse_turns
     from penelope.units import parse_size
@@ -159,8 +160,13 @@ def run(args) -> int:
                         tlru=tlru or TLRUParams(1, 0), slru_protected=args.slru_protected,
                         extra=tuple(args.server_arg))
     # Names and combinations are checked before any model is written or workload read.
-    parse_configs(args.configs, setup, args.baseline)
+    named, _ = parse_configs(args.configs, setup, args.baseline)
     out = check_folder("--out", args.out)
+    # Nothing the run writes may be an input (a trace, a calibration, a model's config) or a
+    # .json inside the trace folder.
+    written = [out / "ab.json", out / "ab.png", *run_outputs(out, named, args.repeat, servers)]
+    check_outputs({f"--out {args.out}: {path.name}": str(path) for path in written},
+                  workload_inputs(args, args.trace), plots=())
 
     # The workload's options before a model is written (the model's context may set --max-context).
     check_workload_options(args, args.trace)

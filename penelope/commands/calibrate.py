@@ -67,6 +67,7 @@ def run(args) -> int:
     from penelope.errors import Interrupted, PenelopeError, UsageError
     from penelope.loadgen.calibrate import CalibrationPlan, Points, parse_counts, read_points, run_measure
     from penelope.loadgen.target import base_url, probe_server
+    from penelope.loadgen.tokens import MAX_VOCAB
     from penelope.outputs import check_outputs
 
     shape = get_model(args.model)
@@ -89,8 +90,8 @@ def run(args) -> int:
                            batches=parse_counts(args.batches, "--batches"),
                            contexts=parse_counts(args.contexts, "--contexts"),
                            decode_tokens=args.decode_tokens, repeat=args.repeat, seed=args.seed)
-    if args.vocab is not None and args.vocab < 3:
-        raise UsageError(f"--vocab must be at least 3, got {args.vocab}")
+    if args.vocab is not None and not 3 <= args.vocab <= MAX_VOCAB:
+        raise UsageError(f"--vocab must be in [3, 2**31], got {args.vocab}")
     base_url(args.url)
     # The model's config.json (also when --model names its folder) is an input: never written over.
     check_outputs({"--out": args.out, "--points": args.points}, {"--model": model_path(args.model)})

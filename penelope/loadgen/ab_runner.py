@@ -65,6 +65,28 @@ FRESH, KEPT, RESIDENT = "fresh", "kept", "resident"
 SERVER_MODES = (FRESH, KEPT, RESIDENT)
 
 
+def record_path(out: Path, config: ABConfig) -> Path:
+    """The file of `config`'s request records."""
+    return out / f"records-{config.slug}.jsonl"
+
+
+def log_path(out: Path, config: ABConfig, round_: int, servers: str) -> Path:
+    """The log of the server that serves `config`'s run of `round_`."""
+    if servers != FRESH:
+        return out / f"server-{config.slug}.log"
+    return out / f"server-{config.slug}-round{round_}.log"
+
+
+def run_outputs(out: Path, configs: Sequence[ABConfig], repeats: int, servers: str = FRESH) -> list[Path]:
+    """Every file a run of `configs` writes into `out`: records and server logs."""
+    rounds = sorted({round_ for round_, _ in run_order(len(configs), repeats, servers)})
+    paths = []
+    for config in configs:
+        paths.append(record_path(out, config))
+        paths += list(dict.fromkeys(log_path(out, config, round_, servers) for round_ in rounds))
+    return paths
+
+
 def run_order(configs: int, repeats: int, servers: str = FRESH) -> list[tuple[int, int]]:
     """(round, configuration index) of every run, in the order they run (see the module docstring)."""
     for name, value in (("configurations", configs), ("`repeats`", repeats)):
@@ -227,12 +249,10 @@ class ABRunner:
         self.result = ABResult(self.configs, baseline, repeats, servers)
 
     def record_path(self, config: ABConfig) -> Path:
-        return self.out / f"records-{config.slug}.jsonl"
+        return record_path(self.out, config)
 
     def log_path(self, config: ABConfig, round_: int) -> Path:
-        if self.result.servers_mode != FRESH:
-            return self.out / f"server-{config.slug}.log"
-        return self.out / f"server-{config.slug}-round{round_}.log"
+        return log_path(self.out, config, round_, self.result.servers_mode)
 
     def run(self) -> ABResult:
         """Every run of the order; returns the result (also on Ctrl-C, `interrupted` set)."""

@@ -63,6 +63,8 @@ class CalibrationPlan:
                              f"{self.decode_tokens}")
         if self.repeat < 1:
             raise UsageError(f"`repeat` must be at least 1, got {self.repeat}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise UsageError(f"`seed` must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.prefixes) * len(self.new_tokens) * self.repeat < 3:
             raise UsageError("`prefixes` x `new_tokens` x `repeat` gives fewer than 3 prefill points: the fit of 3 "
                              "constants needs at least 3")

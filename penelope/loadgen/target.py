@@ -79,8 +79,13 @@ class Target:
 
 def base_url(url: str) -> str:
     """`url` without a trailing slash; UsageError unless it is http(s)://host[:port]."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        # A malformed bracketed (IPv6) host raises here, or on reading the host name.
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        host = None
+    if host is None or parts.scheme not in ("http", "https"):
         raise UsageError(f"`url` {url}: expected http://HOST:PORT")
     try:
         # urllib checks the port only when asked for it.

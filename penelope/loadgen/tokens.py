@@ -70,7 +70,8 @@ class TokenSpace:
         return max(1, round(tokens / self.scale))
 
     def _streams(self, domain: int, values: np.ndarray) -> np.ndarray:
-        salt = _mix(np.array([self.seed * 3 + domain], dtype=np.uint64))
+        # Modulo 2**64: a seed near 2**63 overflows uint64 when tripled.
+        salt = _mix(np.array([(self.seed * 3 + domain) % 2**64], dtype=np.uint64))
         return _mix(values.astype(np.uint64) ^ salt)
 
     def _draw(self, streams: np.ndarray, n: int) -> np.ndarray:

@@ -177,6 +177,9 @@ def test_a_server_whose_tokens_arrive_together_is_one_line(tmp_path, capsys):
      "--contexts x --batches x --repeat gives fewer than 3 decode points: the fit of 3 constants needs at least 3"),
     (["--decode-tokens", "1"], "--decode-tokens must be at least 2 (a step is the time between two tokens), got 1"),
     (["--repeat", "0"], "--repeat must be at least 1, got 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+    (["--vocab", "99999999999"], "--vocab must be in [3, 2**31], got 99999999999"),
+    (["--vocab", "2"], "--vocab must be in [3, 2**31], got 2"),
 ])
 def test_a_plan_too_small_to_fit_is_refused_before_the_server_is_asked(tmp_path, capsys, argv, message):
     # An unreachable server: the plan is refused first.

@@ -12,7 +12,7 @@ from penelope.cli import Terminated, main
 from penelope.errors import UsageError
 from penelope.loadgen.ab_configs import ServerSetup, TLRUParams, check_applied, make_config, parse_configs
 from penelope.loadgen.ab_report import change, estimate, report_payload, report_text
-from penelope.loadgen.ab_runner import ABResult, ABRun, ABRunner, run_order
+from penelope.loadgen.ab_runner import RESIDENT, ABResult, ABRun, ABRunner, run_order, run_outputs
 from penelope.loadgen.prefill_floor import never_evicting_prefill, rebuilt_prompts
 from penelope.loadgen.runner import LoadConfig, RunResult, run_load
 from penelope.loadgen.summary import summarize
@@ -179,6 +179,37 @@ def test_workload_options_are_refused_before_a_model_is_written(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (out / "model").exists()
+
+
+def test_no_output_of_the_run_overwrites_an_input_or_lands_in_the_trace_folder(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    trace = out / "records-penelope.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1]}\n')
+    before = trace.read_bytes()
+    command = ["ab", "penelope", "sglang-lru", "--model", "scale:7", "--pool", "4096", "--out", str(out)]
+    assert main([*command, "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is the input --trace {trace}; it would be overwritten" in err, err
+    assert trace.read_bytes() == before and not (out / "model").exists()
+    # A WEKA folder given as both the trace and the output: ab.json would be read as a trace.
+    weka = tmp_path / "weka"
+    weka.mkdir()
+    (weka / "trace_0001.json").write_text("{}")
+    assert main(["ab", "penelope", "sglang-lru", "--model", "scale:7", "--pool", "4096", "--out", str(weka),
+                 "--trace", str(weka)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ab.json" in err and "is inside the trace folder" in err, err
+    assert sorted(p.name for p in weka.iterdir()) == ["trace_0001.json"]
+
+
+def test_run_outputs_name_every_file_a_run_writes(tmp_path):
+    configs = [make_config("penelope", SETUP), make_config("sglang-lru", SETUP)]
+    fresh = {p.name for p in run_outputs(tmp_path, configs, 2)}
+    assert fresh == {"records-penelope.jsonl", "records-sglang-lru.jsonl", "server-penelope-round0.log",
+                     "server-penelope-round1.log", "server-sglang-lru-round0.log", "server-sglang-lru-round1.log"}
+    assert {p.name for p in run_outputs(tmp_path, configs, 3, RESIDENT)} == {
+        "records-penelope.jsonl", "records-sglang-lru.jsonl", "server-penelope.log", "server-sglang-lru.log"}
 
 
 def test_check_applied_reads_back_what_the_server_resolved():

@@ -139,6 +139,10 @@ def test_an_unreachable_server_or_a_wrong_api_is_one_line():
     ("http://127.0.0.1:99999", "`url` http://127.0.0.1:99999: the port is not a number in [0, 65535]"),
     ("http://127.0.0.1:30000/generate", "`url` http://127.0.0.1:30000/generate: give the server's address without a "
      "path"),
+    # Malformed bracketed hosts: urllib raises ValueError on these.
+    ("http://[::1", "`url` http://[::1: expected http://HOST:PORT"),
+    ("http://]:9", "`url` http://]:9: expected http://HOST:PORT"),
+    ("http://[zz]:9", "`url` http://[zz]:9: expected http://HOST:PORT"),
 ])
 def test_a_bad_address_names_the_url_field(url, message):
     """The library names its parameter (`url`); `penelope load` and `calibrate` show it as --url."""

@@ -44,6 +44,14 @@ def test_each_turn_is_the_previous_prompt_its_reply_and_new_ids():
     assert all(0 <= t < 1000 for p, _ in turns for t in p)
 
 
+def test_every_seed_of_the_documented_range_draws_ids():
+    """Seeds up to 2**63 - 1 (`--seed`'s range): tripling one overflows 64 bits, which must wrap."""
+    session = generate(SyntheticConfig(sessions=1, requests_per_session=2, seed=1)).sessions[0]
+    for seed in (0, 2**63 // 3 + 1, 2**63 - 1):
+        ids = replay(dataclasses.replace(SPACE, seed=seed), session, block=64)[0][0]
+        assert len(ids) > 0 and all(0 <= i < SPACE.vocab for i in ids)
+
+
 def test_ids_are_deterministic_and_differ_with_the_seed_session_and_turn():
     session = generate(SyntheticConfig(sessions=2, requests_per_session=4, seed=1)).sessions[0]
     first = replay(SPACE, session, block=64)
