@@ -13,8 +13,9 @@ from __future__ import annotations
 MAX_REPEAT = 100
 
 # Fields of the library's set-ups (named in its errors) that this command fills from an argument of
-# another name: `ServerSetup`'s page, attention and extra, the runner's repeats.
-FIELD_ARGUMENTS = {"page": "page_size", "attention": "attention_backend", "extra": "server_arg", "repeats": "repeat"}
+# another name: `ServerSetup`'s page, attention and extra, the runner's repeats, `TLRUParams`'.
+FIELD_ARGUMENTS = {"page": "page_size", "attention": "attention_backend", "extra": "server_arg", "repeats": "repeat",
+                   "threshold": "tlru_threshold", "next_prompt_estimate": "tlru_next_prompt"}
 
 
 def add_parser(subparsers) -> None:

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
             "capacity (a quick replay of SGLang and Penelope)."
         ),
     )
-    parser.add_argument("path", nargs="?", help="WEKA trace folder or file, or Mooncake JSONL")
+    parser.add_argument("path", nargs="?", metavar="PATH", help="WEKA trace folder or file, or Mooncake JSONL")
     add_workload_arguments(parser, trace_flag=False)
     parser.add_argument("--model", default="qwen3-8b", help="built-in model name or a config.json path")
     parser.add_argument("--gpu", default="h100", help=f"GPU of the time model's estimates: {' | '.join(GPUS)}")

@@ -53,9 +53,9 @@ class TLRUParams:
         for name in ("threshold", "next_prompt_estimate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"sglang-tlru: {name} must be a non-negative integer, got {value!r}")
+                raise UsageError(f"sglang-tlru: `{name}` must be a non-negative integer, got {value!r}")
         if self.threshold <= self.next_prompt_estimate:
-            raise UsageError(f"sglang-tlru: threshold ({self.threshold}) must exceed next_prompt_estimate "
+            raise UsageError(f"sglang-tlru: `threshold` ({self.threshold}) must exceed `next_prompt_estimate` "
                              f"({self.next_prompt_estimate}), else T-LRU is plain LRU (SGLang refuses it)")
 
 

@@ -85,7 +85,7 @@ def test_bad_configurations_are_one_line(names, baseline, setup, message):
 def test_bad_server_setups_are_one_line():
     with pytest.raises(UsageError, match="runs on CPU only"):
         ServerSetup(model="/m", pool=4096, device="cuda")
-    with pytest.raises(UsageError, match="must exceed next_prompt_estimate"):
+    with pytest.raises(UsageError, match="must exceed `next_prompt_estimate`"):
         TLRUParams(100, 100)
     with pytest.raises(UsageError, match="set by the A/B runner"):
         ServerSetup(model="/m", pool=4096, extra=("--radix-eviction-policy=lfu",))
@@ -147,6 +147,10 @@ def test_the_library_names_the_fields_of_configurations_and_runs():
     ([], ["--sessions", "0"], "--sessions must be at least 1, got 0"),
     ([], ["--max-requests", "0"], "--max-requests must be at least 1, got 0"),
     ([], ["--read-timeout", "0"], "--read-timeout must be a positive number of seconds, got 0.0"),
+    (["sglang-tlru"], ["--tlru-threshold", "10", "--tlru-next-prompt", "20"],
+     "sglang-tlru: --tlru-threshold (10) must exceed --tlru-next-prompt (20)"),
+    (["sglang-tlru"], ["--tlru-threshold", "-1", "--tlru-next-prompt", "20"],
+     "sglang-tlru: --tlru-threshold must be a non-negative integer, got -1"),
 ])
 def test_the_command_names_the_flags_it_was_given(tmp_path, capsys, configs, argv, message):
     """The library's errors name fields; `penelope ab` shows each as the flag typed (its own name
