@@ -138,6 +138,8 @@ def run(args) -> int:
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
     from_context, _ = parse_turns(args.from_context, args.turns)
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be a non-negative integer, got {args.warmup}")
     if args.warmup_requests is not None and args.warmup_requests < 1:
         raise UsageError(f"--warmup-requests must be at least 1, got {args.warmup_requests}")
     servers = RESIDENT if args.resident_servers else KEPT if args.keep_servers else FRESH
