@@ -19,6 +19,20 @@ def fake_python(tmp_path, body: str):
     return str(path)
 
 
+def standin_server(tmp_path, first: str = ""):
+    """A launcher whose "server" answers every GET with 200 on its --port, after running `first`."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import http.server, sys\n" + first +
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    return fake_python(tmp_path, f'exec "{sys.executable}" "{script}" "$@"')
+
+
 def alive(pid: int) -> bool:
     """A process that exists and is not a zombie."""
     try:
@@ -51,16 +65,7 @@ def test_a_server_that_never_answers_is_killed_with_its_children(tmp_path):
 
 def test_the_group_is_stopped_when_the_block_ends(tmp_path):
     """A stand-in that answers /health: the `with` block ends on an exception, the group is gone."""
-    script = tmp_path / "serve.py"
-    script.write_text(
-        "import http.server, sys\n"
-        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
-        "class H(http.server.BaseHTTPRequestHandler):\n"
-        "    def do_GET(self):\n"
-        "        self.send_response(200); self.end_headers()\n"
-        "    def log_message(self, *a): pass\n"
-        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
-    python = fake_python(tmp_path, f'exec "{sys.executable}" "{script}" "$@"')
+    python = standin_server(tmp_path)
     spec = ServerSpec(model="m", log=tmp_path / "server.log", python=python, startup_timeout=30)
     with pytest.raises(KeyboardInterrupt), SGLangServer(spec) as server:
         pgid = server.process.pid
@@ -92,21 +97,13 @@ def test_a_port_taken_before_the_server_binds_it_is_an_error_at_once_when_the_po
 
 def test_a_port_taken_before_the_server_binds_it_is_replaced_when_the_launcher_picked_it(tmp_path):
     # The stand-in fails to bind on its first start only, then serves.
-    script = tmp_path / "serve.py"
-    script.write_text(
-        "import http.server, pathlib, sys\n"
+    python = standin_server(tmp_path, first=(
+        "import pathlib, time\n"
         f"mark = pathlib.Path({str(tmp_path / 'tried')!r})\n"
         "if not mark.exists():\n"
         "    mark.write_text(sys.argv[sys.argv.index('--port') + 1])\n"
         f"    print({_BIND_ERROR!r}, flush=True)\n"
-        "    import time; time.sleep(300)\n"
-        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
-        "class H(http.server.BaseHTTPRequestHandler):\n"
-        "    def do_GET(self):\n"
-        "        self.send_response(200); self.end_headers()\n"
-        "    def log_message(self, *a): pass\n"
-        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
-    python = fake_python(tmp_path, f'exec "{sys.executable}" "{script}" "$@"')
+        "    time.sleep(300)\n"))
     with SGLangServer(ServerSpec(model="m", log=tmp_path / "server.log", python=python, startup_timeout=60)) as server:
         first = int((tmp_path / "tried").read_text())
         assert server.port != first and server.url.endswith(f":{server.port}")
