@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from penelope.commands.fields import as_flags, field_flags
 from penelope.errors import Interrupted, PenelopeError, UsageError
+from penelope.outputs import forget_new_folders, remove_new_empty_folders
 
 # Subcommand name -> module in penelope.commands, in the order `--help` lists them.
 COMMANDS = ("reproduce", "cost", "simulate", "analyze", "load", "ab", "calibrate", "verify")
@@ -126,10 +127,13 @@ def _main(argv: list[str] | None, ending: Callable[[], None]) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     module = importlib.import_module(f"penelope.commands.{args.command}")
+    forget_new_folders()
     try:
         check_no_empty_values(parser, args)
         return int(module.run(args) or 0)
     except UsageError as err:
+        # An output folder created before the input was refused goes again.
+        remove_new_empty_folders()
         # The library names the fields of its set-ups; the user typed flags.
         flags = field_flags(command_parser(parser, args.command), **getattr(module, "FIELD_ARGUMENTS", {}))
         _say(f"penelope: error: {one_line(as_flags(str(err), flags))}")

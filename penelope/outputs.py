@@ -117,6 +117,11 @@ def check_plot_format(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: {what}; use one of {', '.join('.' + f for f in formats)}")
 
 
+# The folders check_folder created, deepest last: a command refused after creating its output
+# folder removes them again while they are empty (remove_new_empty_folders).
+_created: list[Path] = []
+
+
 def check_folder(flag: str, path: str) -> Path:
     """An output folder: created when missing (with its parents); raises UsageError when `path` is
     a file or cannot be created or written."""
@@ -124,11 +129,28 @@ def check_folder(flag: str, path: str) -> Path:
     try:
         if folder.exists() and not folder.is_dir():
             raise UsageError(f"{flag} {path} is a file, not a folder")
+        missing = [p for p in (folder, *folder.absolute().parents) if not p.exists()]
         folder.mkdir(parents=True, exist_ok=True)
+        _created.extend(reversed(missing))
     except OSError as err:
         raise UsageError(f"{flag} {path}: cannot create this folder ({err.strerror})") from None
     _probe(flag, path, os.path.join(os.path.realpath(folder), ".penelope"), os.path.realpath(folder))
     return folder
+
+
+def forget_new_folders() -> None:
+    """Start a command: folders created before it are not its own."""
+    _created.clear()
+
+
+def remove_new_empty_folders() -> None:
+    """Remove the folders check_folder created that are still empty (a command refused its input
+    after creating them), deepest first."""
+    while _created:
+        try:
+            _created.pop().rmdir()
+        except OSError:
+            pass
 
 
 def write_text(path: str, text: str) -> None:

@@ -140,6 +140,20 @@ def test_reproduce_checks_every_step_before_the_first(tmp_path, capsys):
     assert not out.exists() or files(out) == {}
 
 
+def test_an_output_folder_made_for_a_refused_command_goes_again(tmp_path, capsys):
+    """The folder (and parents) --out created are removed when the input is refused; a folder that
+    was there before stays."""
+    out = tmp_path / "new" / "results"
+    assert main(["reproduce", "--out", str(out), "--ablation-cache", "16", "--no-progress"]) == 2
+    one_error(capsys, "--ablation-cache 16 is below one block")
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert main(["reproduce", "--out", str(kept), "--ablation-cache", "16", "--no-progress"]) == 2
+    one_error(capsys, "--ablation-cache 16 is below one block")
+    assert kept.is_dir() and files(kept) == {}
+
+
 def test_reproduce_checks_every_result_file_before_the_first_step(tmp_path, capsys):
     out = tmp_path / "results"
     (out / "ablation.json").mkdir(parents=True)
