@@ -1,6 +1,7 @@
 """Penelope against SGLang's own eviction policies in SGLang's real HTTP server on CPU: the table.
 
-    python scripts/sglang_ab_table.py --out results/cpu/ab-table          # about 2 hours on 2 cores
+    python scripts/sglang_ab_table.py --out results/cpu/ab-table          # about 90 minutes on 2 cores
+    python scripts/sglang_ab_table.py --pool 61440 --out results/cpu/ab-table-61k   # the same, more pressure
     python scripts/sglang_ab_table.py --out results/cpu/ab-table --render # the table of a finished run
 
 Runs `penelope ab` (docs/ab.md) with six configurations (Penelope's cache and SGLang 0.5.23's
@@ -14,7 +15,9 @@ interleaved, on:
   then 7 more turns as recorded), all four at once, a twentieth of the recorded waits (at most 1 s);
 - each session's first turn primes the server (`--prime`, not measured): the measured turns start
   from histories the server has computed, as in a long-running agent session;
-- a pool of 63,488 tokens (62K): the four histories need about 66K, so every configuration evicts.
+- a pool of 63,488 tokens (62K): the four histories need about 66K, so every configuration evicts
+  (SGLang's LRU caches 91% of prompt tokens); `--pool 61440` puts LRU at 85% (docs/ab.md has both
+  tables).
 
 `--render` prints the markdown table of `OUT/ab.json` (also written as `OUT/table.md`): per
 configuration TTFT mean and p90 with their 95% intervals over the rounds, the cached fraction, the
