@@ -136,7 +136,7 @@ def predict_speedup(
     if evicted <= 0:
         raise UsageError(f"evicted tokens must be positive, got {evicted}")
     if evict_start < 0 or evict_start >= context:
-        raise UsageError(f"evict start {evict_start} is not inside a context of {context} tokens")
+        raise UsageError(f"`evict_start` {evict_start} is not inside a context of {context} tokens")
     if evict_start + evicted > context:
         raise UsageError(
             f"cannot evict {evicted} tokens from position {evict_start} in a context of {context}"

@@ -289,4 +289,5 @@ def get_model(spec: str | Path | dict[str, Any]) -> ModelShape:
     if path.is_dir() or path.suffix == ".json" or path.exists():
         path, config = read_config_json(path)
         return shape_from_config(config, name=path.parent.name or path.stem, where=str(path))
-    raise UsageError(f"unknown model {text!r}; known models: {', '.join(KNOWN_MODELS)}, or a config.json path")
+    raise UsageError(f"`model` {text!r} is not a built-in model or a config.json path; known models: "
+                     f"{', '.join(KNOWN_MODELS)}")

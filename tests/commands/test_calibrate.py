@@ -116,7 +116,7 @@ def test_a_server_whose_times_do_not_follow_the_model_is_refused(tmp_path, capsy
     (["--url", "http://127.0.0.1:9"], "127.0.0.1:9"),
     (["--prefixes", "a"], "--prefixes: cannot read 'a'"),
     (["--new-tokens", ""], "--new-tokens"),
-    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--model", "no-such-model"], "--model 'no-such-model' is not a built-in model"),
     (["--contexts", "200000"], "--contexts + --decode-tokens: a decode point of 200,032 tokens does not fit the "
      "server's context"),
     (["--prefixes", "200000"], "--prefixes + --new-tokens: a prefill point of 201,024 tokens does not fit the "

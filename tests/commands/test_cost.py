@@ -47,7 +47,7 @@ def test_model_from_config_path(tmp_path, capsys):
         (["--model", "nope"], "known models"),
         (["--evict-frac", "1.5"], "--evict-frac"),
         (["--evict-frac", "0"], "--evict-frac"),
-        (["--contexts", "8K", "--evict-start", "9K"], "evict start"),
+        (["--contexts", "8K", "--evict-start", "9K"], "--evict-start 9216 is not inside a context of 8192 tokens"),
         (["--contexts", "0"], "positive"),
         (["--contexts=-8K"], "positive"),
         (["--contexts", "eight"], "cannot read"),

@@ -111,7 +111,7 @@ def test_analyze_says_how_many_replicas_the_trace_needs(traces, tmp_path, capsys
 
 
 @pytest.mark.parametrize("args, message", [
-    (["simulate", "--replicas", "2", "--router", "random"], "unknown router 'random'; choose from round-robin"),
+    (["simulate", "--replicas", "2", "--router", "random"], "--router 'random' is not a router; choose from"),
     (["simulate", "--replicas", "0"], "--replicas must be a positive integer"),
     (["simulate", "--time-scale", "0"], "--time-scale must be a positive number"),
     (["simulate", "--replicas", "2", "--cache-threshold", "2"], "--cache-threshold must be in [0, 1]"),

@@ -176,7 +176,7 @@ def test_router_config_rejects_bad_values(changes, message):
 
 
 def test_unknown_router_and_bad_replica_counts():
-    with pytest.raises(UsageError, match="unknown router 'random'; choose from"):
+    with pytest.raises(UsageError, match="`router` 'random' is not a router; choose from"):
         make_router("random", 2, B)
     with pytest.raises(UsageError, match="`replicas` must be a positive integer"):
         make_router("least-load", 0, B)

@@ -93,7 +93,7 @@ def router_names() -> list[str]:
 def check_router(name: str) -> str:
     """`name` if it is a known router, else a UsageError naming the known ones."""
     if name not in ROUTERS:
-        raise UsageError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
+        raise UsageError(f"`router` {name!r} is not a router; choose from {', '.join(ROUTERS)}")
     return name
 
 
