@@ -107,6 +107,7 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
     (["simulate", "--calibration", " "], "--calibration: empty value"),
     (["cost", "--model", ""], "--model: empty value"),
     (["analyze", ""], "PATH: empty value"),
+    (["simulate", "--format", "mooncake"], "--format mooncake needs a --trace (a JSONL file)"),
     (["simulate", "--per-replica"], "--per-replica applies to --replicas N > 1"),
     (["analyze", "--format", "synthetic", "--router", "session"],
      "--router applies to replicas behind a router: this closed-loop workload is replayed on one server"),

@@ -177,7 +177,8 @@ def test_the_command_refuses_bad_input_before_any_server(tmp_path, capsys):
 @pytest.mark.parametrize("bad, message", [(["--trace", "/no/such/trace"], "/no/such/trace: no such trace"),
                                           (["--think-time", "sometimes"], "--think-time: cannot read 'sometimes'"),
                                           (["--limit-sessions", "0"], "--limit-sessions must be at least 1"),
-                                          (["--warmup", "-1"], "--warmup must be a non-negative integer, got -1")])
+                                          (["--warmup", "-1"], "--warmup must be a non-negative integer, got -1"),
+                                          (["--format", "mooncake"], "--format mooncake needs a --trace")])
 def test_workload_options_are_refused_before_a_model_is_written(tmp_path, capsys, bad, message):
     out = tmp_path / "out"
     assert main(["ab", "penelope", "sglang-lru", "--model", "scale:7", "--pool", "4096", "--out", str(out), *bad]) == 2

@@ -129,9 +129,9 @@ def test_load_workload_dispatches_by_format(tmp_path):
     assert len(synthetic.sessions) == 2 and synthetic.summary.sources == ["synthetic(seed=3)"]
     with pytest.raises(UsageError, match="unknown workload format"):
         load_workload("sharegpt", path)
-    with pytest.raises(UsageError, match="needs a trace folder"):
+    with pytest.raises(UsageError, match="`format` weka needs a `trace`"):
         load_workload("weka")
-    with pytest.raises(UsageError, match="takes no trace path"):
+    with pytest.raises(UsageError, match="`format` synthetic takes no `trace` path"):
         load_workload("synthetic", path)
 
 

@@ -94,6 +94,7 @@ def check(spec: WorkloadSpec) -> tuple[str, ThinkTime, int | None, int | None]:
     fmt = infer_format(spec.trace, spec.format)
     if fmt not in FORMATS:
         raise UsageError(f"unknown workload format {fmt!r}; choose from {', '.join(FORMATS)}")
+    check_trace_given(fmt, spec.trace)
     if spec.max_context is not None:
         parse_size(spec.max_context, "`max_context`")
     if not 0 <= spec.seed < 2**63:
@@ -141,6 +142,16 @@ def load(spec: WorkloadSpec) -> tuple[Workload, dict]:
     return workload, description
 
 
+def check_trace_given(format: str, path) -> None:
+    """A trace path where `format` reads one, none where it generates its workload."""
+    if format == "weka" and path is None:
+        raise UsageError("`format` weka needs a `trace` (a trace folder or files)")
+    if format == "mooncake" and path is None:
+        raise UsageError("`format` mooncake needs a `trace` (a JSONL file)")
+    if format == "synthetic" and path is not None:
+        raise UsageError("`format` synthetic takes no `trace` path")
+
+
 def load_workload(
     format: str,
     path: str | Path | list[str | Path] | None = None,
@@ -151,17 +162,12 @@ def load_workload(
 ) -> Workload:
     """Load a workload by format name (`FORMATS`). `path` is required except for `synthetic`;
     `options` go to the format's loader (`load_weka`, `load_mooncake`, `SyntheticConfig`)."""
+    check_trace_given(format, path)
     if format == "weka":
-        if path is None:
-            raise UsageError("the weka format needs a trace folder or files")
         return load_weka(path, max_context=max_context, **options)
     if format == "mooncake":
-        if path is None:
-            raise UsageError("the mooncake format needs a JSONL file")
         return load_mooncake(path, max_context=max_context, **options)
     if format == "synthetic":
-        if path is not None:
-            raise UsageError("the synthetic format takes no trace path")
         if max_context is not None:
             options["max_context"] = max_context
         return generate(SyntheticConfig(seed=seed, **options))
