@@ -7,8 +7,6 @@ an ensemble of DEFAULT_REPEAT seeded, perturbed runs (`--repeat`), so every figu
 95% interval. Every step writes its JSON and plot into the output folder and prints its table."""
 from __future__ import annotations
 
-import os
-
 # Runs per replay setting: intervals narrow enough to tell the policies apart, and the whole job
 # within a few minutes on a 2-core machine.
 DEFAULT_REPEAT = 6
@@ -68,18 +66,18 @@ def run(args) -> int:
             replay += [flag, str(value)]
     steps = [
         ("cost curve", ["cost", "--model", args.model, "--json", str(out / "cost.json"),
-                        "--plot", str(out / "cost.png")]),
+                        "--plot", str(out / "cost.png")], None),
         ("SGLang vs Penelope, capacity sweep", ["simulate", "--model", args.model, "--gpu-cache", args.sweep,
                                                 "--json", str(out / "simulate.json"),
-                                                "--plot", str(out / "simulate.png"), *replay]),
+                                                "--plot", str(out / "simulate.png"), *replay], "--sweep"),
         ("ablation grid", ["simulate", "--model", args.model, "--gpu-cache", args.ablation_cache,
                            "--policies", "ablation", "--json", str(out / "ablation.json"),
-                           "--plot", str(out / "ablation.png"), *replay]),
+                           "--plot", str(out / "ablation.png"), *replay], "--ablation-cache"),
     ]
-    # The flag of reproduce that gives each replay's `gpu_cache`.
-    capacity_flags = {"simulate.json": "--sweep", "ablation.json": "--ablation-cache"}
     parser = build_parser()
-    for _, argv in steps:
+    # Each step: its title, its command line, and the option of reproduce that gives a replay's
+    # `gpu_cache` (named in its errors).
+    for _, argv, capacity_flag in steps:
         try:
             parsed = parser.parse_args(argv)
         except SystemExit as error:
@@ -93,9 +91,8 @@ def run(args) -> int:
             try:
                 prepare(simulation_spec(parsed))
             except UsageError as error:
-                flag = capacity_flags[os.path.basename(parsed.json)]
-                raise UsageError(as_flags(str(error), {"gpu_cache": flag})) from None
-    for number, (title, argv) in enumerate(steps, 1):
+                raise UsageError(as_flags(str(error), {"gpu_cache": capacity_flag})) from None
+    for number, (title, argv, _) in enumerate(steps, 1):
         print(f"\n== {number}/{len(steps)} {title}: penelope {' '.join(argv)}", flush=True)
         rc = main(argv)
         if rc:
