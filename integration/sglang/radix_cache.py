@@ -238,19 +238,21 @@ class PenelopeRadixCache(BasePrefixCache):
         if n == 0:
             return InsertResult(prefix_len=0)
         tokens = key_tokens(key.token_ids, n, namespace)
-        # Where the blocks are is all this needs of the match (the tree keeps its leading slots).
-        before = self.cache.match(tokens, slots=False)
-        leading = before.spans[0].end if before.spans and before.spans[0].state == BlockState.GPU else 0
         if value.shape[0] < n:
             raise UsageError(f"penelope: insert of {n} tokens got {value.shape[0]} slots")
-        # The leading cached tokens keep the tree's slots: the passed ones there are not read.
         if value.dtype == torch.int64 and self._on_cpu and not value.requires_grad:
             slots = value.numpy()[:n]
         else:
             slots = value[:n].to("cpu", torch.int64).numpy()
-        self.slots.check_allocated(slots[leading:])
-        self._insert(tokens, slots, before, leading)
-        return InsertResult(prefix_len=leading, total_len=n)
+        # KV events name the blocks that become resident: they need the match before the insert.
+        before = self.cache.match(tokens, slots=False) if self.kv_events.enabled else None
+        # The leading cached tokens keep the tree's slots: the passed ones there are not read.
+        # Every slot the tree takes or frees is checked against SGLang's free list first.
+        with self.slots.free_list_checked():
+            result = self.cache.insert(tokens, slots, keep_leading=True)
+        if before is not None:
+            self.kv_events.stored(self.cache, tokens, before)
+        return InsertResult(prefix_len=result.leading, total_len=n)
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
         """Insert the whole blocks of the request's first ``up_to`` tokens, point its row at the

@@ -10,6 +10,8 @@ changes, and the tree never hands a slot back twice. Slots are SGLang's:
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -41,8 +43,10 @@ class SGLangSlots:
         # The stock allocators free pages named by id as they are; others (page-interleaved
         # shards) only through `free`.
         self._by_page_id = type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
-        # Scratch for `check_allocated`: one flag per page id, all False between calls.
+        # Scratch for the free-list check: one flag per page id, all False between calls.
         self._free_page = np.zeros(self._pages_end + 1, dtype=bool)
+        # Whether `check_outstanding` also reads SGLang's free list (`free_list_checked`).
+        self._check_free_list = False
 
     def free_size(self) -> int:
         return self.sglang.available_size()
@@ -87,26 +91,28 @@ class SGLangSlots:
         repeated = stamp[pages] != order
         if repeated.any():
             raise UsageError(f"penelope: slot {int(pages[repeated][0]) * page} is passed twice")
+        if self._check_free_list:
+            self._check_not_free(pages)
 
-    def check_allocated(self, slots: np.ndarray) -> None:
-        """Raise UsageError if a page of `slots` is on SGLang's free list (never allocated, or
-        freed already). Reads the whole free list: for explicit ``insert`` calls, not per step."""
+    @contextlib.contextmanager
+    def free_list_checked(self):
+        """Within the block, `check_outstanding` also refuses slots on SGLang's free list (never
+        allocated, or freed already). It reads the whole free list: for explicit ``insert`` calls,
+        not per step."""
+        self._check_free_list = True
+        try:
+            yield
+        finally:
+            self._check_free_list = False
+
+    def _check_not_free(self, pages: np.ndarray) -> None:
+        """Raise UsageError if one of `pages` (ids within the pool) is on SGLang's free list."""
         free_pages = self.sglang.get_all_free_pages()
-        if free_pages is None or not len(slots):
-            return
-        # Slots that are not whole pages are refused by `check_outstanding` before anything
-        # changes; of whole pages, each page's first slot names it.
-        page = self.page_size
-        if page == 1:
-            pages = slots
-        else:
-            pages = slots[::page] // page if len(slots) % page == 0 else slots // page
-        flags = self._free_page
-        if int(pages.min()) < 0 or int(pages.max()) >= len(flags):
-            # Outside the pool: `check_outstanding` refuses these slots.
+        if free_pages is None:
             return
         free = free_pages.numpy() if self._cpu_ids(free_pages) else free_pages.to("cpu", torch.int64).numpy()
         # Page-indexed flags, set and cleared again: linear in the free list, no sort.
+        flags = self._free_page
         flags[free] = True
         listed = flags[pages]
         flags[free] = False

@@ -92,6 +92,9 @@ class InsertResult:
     refilled: int
     new: int
     freed: int
+    # Tokens at the front of the path that were GPU-resident before the insert (its leading GPU
+    # run); with `keep_leading`, the passed slots there were neither read nor freed.
+    leading: int = 0
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,7 @@ class KVCache:
         self.allocator.free(int_array(slots, "slots"))
 
     def insert(self, tokens, slots, match: MatchResult | None = None, tree_prefix: int = 0,
-               earlier: int = 0) -> InsertResult:
+               earlier: int = 0, keep_leading: bool = False) -> InsertResult:
         """Cache `tokens` whose KV is in `slots` (`slots[i]` holds tokens[i]); takes every slot.
 
         Blocks already on the GPU keep their slots (different slots passed for them are freed);
@@ -303,7 +306,10 @@ class KVCache:
         must be fresh: they keep the tree's slots, and `slots` there is neither read nor freed (a
         caller that would only copy the tree's slots in, to have them compared back).
         `earlier`: the first tokens of `tokens` the same request inserted before (its checkpoints,
-        `LockHandle.inserted`), for a policy that counts inserts per node (SGLang's hit count)."""
+        `LockHandle.inserted`), for a policy that counts inserts per node (SGLang's hit count).
+        `keep_leading`: as `tree_prefix`, for the whole leading GPU run the walk finds, without a
+        match (a caller that passes back what the tree holds, as SGLang's `insert` does); the
+        run's length is the result's `leading`."""
         earlier = count(earlier, "earlier")
         tokens = int_array(tokens, "tokens")
         slots = int_array(slots, "slots")
@@ -312,13 +318,18 @@ class KVCache:
         if len(tokens) > self.capacity:
             raise UsageError(f"a sequence of {len(tokens)} tokens can never fit in a cache of "
                              f"{self.capacity} tokens")
+        if keep_leading and tree_prefix:
+            raise UsageError("insert takes tree_prefix or keep_leading, not both")
         lo = self._tree_prefix(match, tree_prefix)
         tree, bs = self.tree, self.block_size
         n_blocks = len(tokens) // bs
         full = n_blocks * bs
         path, last = self._walk_again(match, tokens, n_blocks) if match is not None else tree.walk(tokens, n_blocks)
         walked = path[-1].start + last * bs if path else 0
-        on_gpu = all(node.n_gpu == node.n_blocks for node in path)
+        on_gpu = tree.on_gpu() or all(node.n_gpu == node.n_blocks for node in path)
+        leading = walked if on_gpu else _leading_gpu(path, walked, bs)
+        if keep_leading:
+            lo = leading
         refill = duplicates = EMPTY_SLOTS
         if lo < walked:
             # The tree's slots of [lo, walked), against the passed ones.
@@ -360,7 +371,7 @@ class KVCache:
         self.allocator.adopt(kept)
         if len(returned):
             self.allocator.free(returned)
-        return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned))
+        return InsertResult(full, walked - len(refill), len(refill), full - walked, len(returned), leading)
 
     def checkpoint(self, handle: LockHandle, tokens, slots) -> tuple[LockHandle, np.ndarray]:
         """A running request caches the KV it computed so far and keeps it locked (SGLang's
@@ -582,7 +593,7 @@ class KVCache:
     def _spans(self, path: list[Node], with_slots: bool = True) -> list[Span]:
         """Merge the per-block states of the path into maximal runs of one state (without their
         slots unless `with_slots`)."""
-        if path and all(node.n_gpu == node.n_blocks for node in path):
+        if path and (self.tree.on_gpu() or all(node.n_gpu == node.n_blocks for node in path)):
             # The common case, a path wholly on the GPU: one span, no per-run bookkeeping.
             slots = np.concatenate([node.slots for node in path], dtype=np.int64) if with_slots else EMPTY_SLOTS
             return [Span(0, path[-1].end, BlockState.GPU, slots)]
@@ -636,6 +647,15 @@ class KVCache:
             computed = match.holes + [(match.compute_from, match.n_tokens)]
             stats.missed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in computed if b > a)
             stats.recomputed_cost += sign * sum(self.cost_model.span_cost(a, b) for a, b in match.recomputed)
+
+
+def _leading_gpu(path: list[Node], walked: int, block_size: int) -> int:
+    """End of the leading run of GPU blocks on `path`, within the first `walked` tokens."""
+    for node in path:
+        if node.n_gpu < node.n_blocks:
+            first = int(np.argmax(node.state != _GPU))
+            return min(node.start + first * block_size, walked)
+    return walked
 
 
 def _positions(node: Node, blocks: np.ndarray, block_size: int) -> np.ndarray:

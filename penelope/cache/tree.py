@@ -27,6 +27,8 @@ NO_SLOT = -1
 # out as int64.
 SLOT_DTYPE = np.int32
 _MASK64 = (1 << 64) - 1
+# Runs of at most this many blocks are hashed on Python ints (`PrefixHasher.extend`).
+_SHORT_RUN = 16
 _ONE = np.uint64(1)
 
 
@@ -49,7 +51,7 @@ class Node:
                  "lock_ref", "last_access", "n_gpu", "n_resident", "alive", "n_blocks", "end")
 
     def __init__(self, node_id: int, parent: Node | None, key: bytes, slots: np.ndarray,
-                 state: np.ndarray, hashes: np.ndarray, start: int, last_access: int):
+                 state: np.ndarray, hashes: np.ndarray, start: int, last_access: int, all_gpu: bool = False):
         self.id = node_id
         self.parent = parent
         self.children: dict[bytes, Node] = {}
@@ -61,7 +63,12 @@ class Node:
         self.lock_ref = 0
         self.last_access = last_access
         self.alive = True
-        self.recount()
+        if all_gpu:
+            # A new leaf: every block on the GPU, no need to count the states.
+            self.n_blocks = self.n_gpu = self.n_resident = len(state)
+            self.end = start + len(slots)
+        else:
+            self.recount()
 
     def recount(self) -> None:
         """Set the counts read on every walk from the arrays: `n_gpu`, `n_resident`, `n_blocks`
@@ -129,12 +136,20 @@ class PrefixHasher:
         k = len(tokens) // self.block_size
         if k == 0:
             return np.empty(0, dtype=np.uint64)
-        self._grow(base_block + k)
         if self.block_size == 1:
             # The same digests; a (k, 1) @ (1,) product costs numpy more than a multiply.
             g = tokens.view(np.uint64) * self._mix[0]
         else:
             g = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix
+        if k <= _SHORT_RUN:
+            # A few blocks (a turn's new tokens at small pages): the recurrence H_i = H_{i-1} * R
+            # + d_i on Python ints costs less than the vectorized form's five array operations.
+            hashes, radix = [], self._RADIX
+            for digest in g.tolist():
+                base_hash = (base_hash * radix + digest + 1) & _MASK64
+                hashes.append(base_hash)
+            return np.array(hashes, dtype=np.uint64)
+        self._grow(base_block + k)
         # In place, on the one array: the digests, then their weighted prefix sums, then the hashes.
         g += _ONE
         span = slice(base_block + 1, base_block + k + 1)
@@ -164,9 +179,16 @@ class RadixTree:
         self.cpu_evictable_tokens = 0
         self.cpu_protected_tokens = 0
         self.n_nodes = 0
+        # Blocks of every node in any state: `on_gpu` compares them with the GPU tokens.
+        self.n_blocks = 0
         self.leaves: set[Node] = set()
         self.hasher = PrefixHasher(block_size)
         self._next_id = 1
+
+    def on_gpu(self) -> bool:
+        """Whether every block of the tree is on the GPU (no hole, nothing on the CPU tier): then
+        every path is, and callers skip their per-node state checks."""
+        return self.evictable_tokens + self.protected_tokens == self.n_blocks * self.block_size
 
     def walk(self, tokens: np.ndarray, n_blocks: int) -> tuple[list[Node], int]:
         """Follow `tokens[: n_blocks * block_size]` down the tree through blocks of any state.
@@ -186,9 +208,10 @@ class RadixTree:
                 break
             key = child.key
             if raw.startswith(key, pos):
-                # The whole node matches: the common case.
+                # The whole node matches: the common case. Positions are absolute: the walk is at
+                # the node's end.
                 path.append(child)
-                pos += len(key)
+                pos = child.end * 8
                 children = child.children
                 continue
             n = min(len(key), end - pos)
@@ -235,11 +258,12 @@ class RadixTree:
         base = parent.hashes[-1] if parent.n_blocks else np.uint64(0)
         hashes = self.hasher.extend(int(base), parent.end // self.block_size, tokens)
         node = Node(self._take_id(), parent, tokens.tobytes(), slots.astype(SLOT_DTYPE),
-                    np.full(k, _GPU, dtype=np.int8), hashes, parent.end, self.clock)
+                    np.zeros(k, dtype=np.int8), hashes, parent.end, self.clock, all_gpu=True)  # GPU is 0
         self.leaves.discard(parent)
         parent.children[node.key[:self._block_bytes]] = node
         self.leaves.add(node)
         self.n_nodes += 1
+        self.n_blocks += k
         self._count(node, node.n_gpu * self.block_size)
         return node
 
@@ -321,6 +345,7 @@ class RadixTree:
         node.alive = False
         node.parent = None
         self.n_nodes -= 1
+        self.n_blocks -= node.n_blocks
 
     def lock(self, node: Node, delta: int) -> None:
         """Add `delta` (+1 or -1) to lock_ref on the root path of `node`."""
@@ -366,12 +391,13 @@ class RadixTree:
         """Raise InvariantError on any inconsistency; `locks` maps node id to the number of
         live lock handles whose root path holds it. Returns the GPU slots the tree holds."""
         bs, bb = self.block_size, self._block_bytes
-        evictable = protected = cpu_evictable = cpu_protected = count = 0
+        evictable = protected = cpu_evictable = cpu_protected = count = blocks = 0
         gpu_slots = []
         leaf_stamps = []
         for node in self.nodes():
             count += 1
             parent, k = node.parent, len(node.state)
+            blocks += k
             _require(node.alive and parent.children.get(node.key[:bb]) is node, "broken parent link", node)
             _require(k > 0 and len(node.key) == 8 * bs * k and len(node.slots) == bs * k
                      and len(node.hashes) == k, "array lengths disagree", node)
@@ -404,6 +430,7 @@ class RadixTree:
                 cpu_evictable += cpu_tokens
             gpu_slots.append(rows[node.state == _GPU].ravel())
         _require(count == self.n_nodes and all(leaf.alive for leaf in self.leaves), "node count", None)
+        _require(blocks == self.n_blocks, f"block count: counted {blocks}, kept {self.n_blocks}", None)
         _require(len(set(leaf_stamps)) == len(leaf_stamps), "two leaves share a recency stamp", None)
         _require((evictable, protected) == (self.evictable_tokens, self.protected_tokens),
                  f"accounting: counted evictable {evictable}, protected {protected}, "
@@ -453,6 +480,7 @@ class RadixTree:
     def _truncate(self, node: Node, k: int) -> None:
         """Keep the first k blocks of a leaf; the rest must have been released."""
         t = k * self.block_size
+        self.n_blocks -= node.n_blocks - k
         node.key, node.slots = node.key[:t * 8], node.slots[:t].copy()
         node.state, node.hashes = node.state[:k].copy(), node.hashes[:k].copy()
         node.recount()

@@ -180,9 +180,47 @@ def test_insert_keeps_the_tree_prefix_without_reading_its_passed_slots():
     assert run(True) == run(False)
 
 
+@pytest.mark.parametrize("hole", [False, True])
+def test_keep_leading_keeps_the_leading_gpu_run_as_a_tree_prefix_would(hole):
+    """`keep_leading` finds the leading GPU run itself: the passed slots there are not read, and
+    the insert does what a fresh match's `tree_prefix` of that run does; `leading` is the run."""
+    def run(keep: bool):
+        cache = loaded_cache() if hole else KVCache(256, block_size=BS)
+        a = tokens(100, 16)
+        if not hole:
+            serve(cache, a[:20])
+        longer = np.concatenate([a, np.arange(500, 510)])
+        m = cache.match(longer)
+        run_end = m.spans[0].end
+        new = sum(end - start for start, end in m.holes) + len(longer) - m.compute_from
+        slots = request_slots(m, len(longer), cache.alloc(new))
+        if keep:
+            slots[:run_end] = -7  # not read: they are the tree's
+            result = cache.insert(longer, slots, keep_leading=True)
+        else:
+            result = cache.insert(longer, slots, m, tree_prefix=run_end)
+        cache.check_invariants()
+        return run_end, result, dump_real(cache), cache.free_size()
+
+    run_end, result, *_ = run(True)
+    assert result.leading == run_end == (8 if hole else 20)
+    assert run(True) == run(False)
+
+
+def test_keep_leading_and_a_tree_prefix_are_one_or_the_other():
+    cache = loaded_cache()
+    a = tokens(100, 16)
+    m = cache.match(a)
+    slots = request_slots(m, len(a), cache.alloc(4 + len(a) - m.compute_from))
+    before = snapshot(cache)
+    with pytest.raises(UsageError, match="tree_prefix or keep_leading"):
+        cache.insert(a, slots, m, tree_prefix=8, keep_leading=True)
+    assert snapshot(cache) == before
+
+
 @pytest.mark.parametrize("case", ["no match", "stale", "beyond"])
 def test_a_tree_prefix_needs_a_fresh_match_whose_leading_gpu_span_covers_it(case):
-    cache = loaded_cache()  # [16, 20) of tokens(100, 16) is a hole
+    cache = loaded_cache()  # [8, 12) of tokens(100, 16) is a hole
     a = tokens(100, 16)
     m = cache.match(a)
     slots = request_slots(m, len(a), cache.alloc(4 + len(a) - m.compute_from))
@@ -279,6 +317,34 @@ def test_prefix_hashes_do_not_depend_on_how_a_sequence_is_cut():
     rest = hasher.extend(int(first[-1]), 3, t[12:])
     assert np.array_equal(whole, np.concatenate([first, rest]))
     assert len(set(whole.tolist())) == 10
+
+
+def reference_prefix_hashes(hasher: PrefixHasher, base: int, tokens: np.ndarray) -> list[int]:
+    """The definition, on Python ints: H_i = H_{i-1} * R + d_i (mod 2**64), d_i = 1 + the block's
+    tokens (as uint64) weighted by the hasher's mix."""
+    mask, bs = (1 << 64) - 1, hasher.block_size
+    mix = [int(m) for m in hasher._mix]
+    out, h = [], base
+    for i in range(len(tokens) // bs):
+        block = [int(t) & mask for t in tokens[i * bs:(i + 1) * bs]]
+        digest = (sum(t * m for t, m in zip(block, mix, strict=True)) + 1) & mask
+        h = (h * PrefixHasher._RADIX + digest) & mask
+        out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 64])
+def test_prefix_hashes_of_short_and_long_runs_follow_the_definition(block_size):
+    """Runs of up to 16 blocks are hashed on Python ints, longer ones vectorized: both give the
+    recurrence's values, from any base, for tokens that fill all 64 bits."""
+    hasher = PrefixHasher(block_size)
+    rng = np.random.default_rng(5)
+    for blocks in (1, 2, 15, 16, 17, 40):
+        t = rng.integers(-2**63, 2**63 - 1, blocks * block_size, dtype=np.int64, endpoint=True)
+        base_hash, base_block = int(rng.integers(0, 2**63)) * 2 + 1, int(rng.integers(0, 50))
+        got = hasher.extend(base_hash, base_block, t)
+        assert got.dtype == np.uint64
+        assert got.tolist() == reference_prefix_hashes(hasher, base_hash, t), blocks
 
 
 @pytest.mark.parametrize("kwargs, message", [
