@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need (scripts/install.sh test), lints, then runs
-# pytest with Triton's interpreter so kernel tests run on CPU. Extra arguments go to pytest.
+# pytest with Triton's interpreter so kernel tests run on CPU, on one worker process per core (at
+# most 4; PENELOPE_TEST_WORKERS sets the number, 0 runs in this process). Extra arguments go to
+# pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 VENV=${PENELOPE_VENV:-.venv}
 "$VENV/bin/ruff" check .
 export TRITON_INTERPRET=1
-exec "$VENV/bin/python" -m pytest "$@"
+cores=$(nproc)
+workers=${PENELOPE_TEST_WORKERS:-$((cores < 4 ? cores : 4))}
+exec "$VENV/bin/python" -m pytest -n "$workers" "$@"

@@ -27,6 +27,12 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+def pytest_collection_modifyitems(items):
+    """The long tests (marked `slow`) first, in their collected order: a parallel run hands them
+    out before the short ones, so it does not end waiting on one of them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The hostile-input fuzz suite's count of inputs and outcomes (see fuzz_tally.py), when it ran.
     A failed run prints it too, but then its counts are not the closing figures."""

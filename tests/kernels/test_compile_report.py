@@ -143,6 +143,7 @@ def report(tmp_path_factory, request):
     return data
 
 
+@pytest.mark.slow
 def test_the_report_covers_every_kernel_target_and_shape(report):
     seen = {(r["entry"]["kernel"], r["entry"]["target"], r["entry"]["shape"], r["entry"]["dtype"],
              r["entry"]["return_lse"]) for r in report["results"]}

@@ -22,6 +22,8 @@ measured in different regimes.
 import json
 from pathlib import Path
 
+import pytest
+
 from penelope.cli import main
 
 STUB = Path(__file__).parent.parent / "engine_stub"
@@ -32,6 +34,7 @@ def read_records(path: Path) -> dict:
     return {r["rid"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_penelope_against_sglang_lru_on_forced_eviction(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", str(STUB))
     out = tmp_path / "ab"

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -117,7 +118,10 @@ def test_conftest_records_environment(tmp_path, gpu_only):
             f"--benchmark-json={out}", f"--bench-out={tmp_path / 'results'}", "--rootdir", str(tmp_path)]
     if gpu_only:
         args.append("--gpu-only")
-    result = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    # A parallel suite's worker marks its environment; pytest-benchmark in the nested run would take
+    # itself for a worker too and write nothing.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     benches = {b["name"]: b["extra_info"] for b in json.loads(out.read_text())["benchmarks"]}
     if gpu_only:

@@ -39,6 +39,7 @@ def test_a_scheduler_traceback_is_reported_by_its_last_frame_and_exception(tmp_p
     assert server_faults(tmp_path / "missing.log")[0].startswith("log unreadable")
 
 
+@pytest.mark.slow
 def test_a_short_soak_of_the_real_server(tmp_path, capsys):
     script = scripts_env.load_script("sglang_soak")
     code = script.main(["--minutes", "0.67", "--sessions", "16", "--out", str(tmp_path)])
