@@ -26,6 +26,9 @@ def check_alloc_memory(n: int) -> None:
 
 def count(value, what: str) -> int:
     """`value` as an int; UsageError unless it is a non-negative integer."""
+    if type(value) is int and value >= 0:
+        # The common case, before the slower check against the `numbers.Integral` ABC.
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise UsageError(f"{what} must be a non-negative integer, got {value!r}")
     return int(value)

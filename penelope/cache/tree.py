@@ -114,6 +114,7 @@ class PrefixHasher:
     def __init__(self, block_size: int):
         rng = np.random.default_rng(20250101)
         self._mix = rng.integers(1, 1 << 63, size=block_size, dtype=np.uint64) | np.uint64(1)
+        self._mix_first = int(self._mix[0])
         self._pow = np.ones(1, dtype=np.uint64)
         self._inv = np.ones(1, dtype=np.uint64)
         self.block_size = block_size
@@ -136,19 +137,25 @@ class PrefixHasher:
         k = len(tokens) // self.block_size
         if k == 0:
             return np.empty(0, dtype=np.uint64)
+        if k <= _SHORT_RUN:
+            # A few blocks (a turn's new tokens at small pages): the recurrence H_i = H_{i-1} * R
+            # + d_i on Python ints costs less than the vectorized form's array operations, each
+            # of which costs microseconds whatever its size.
+            if self.block_size == 1:
+                mix = self._mix_first
+                digests = [(token & _MASK64) * mix & _MASK64 for token in tokens.tolist()]
+            else:
+                digests = (tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix).tolist()
+            hashes, radix = [], self._RADIX
+            for digest in digests:
+                base_hash = (base_hash * radix + digest + 1) & _MASK64
+                hashes.append(base_hash)
+            return np.array(hashes, dtype=np.uint64)
         if self.block_size == 1:
             # The same digests; a (k, 1) @ (1,) product costs numpy more than a multiply.
             g = tokens.view(np.uint64) * self._mix[0]
         else:
             g = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix
-        if k <= _SHORT_RUN:
-            # A few blocks (a turn's new tokens at small pages): the recurrence H_i = H_{i-1} * R
-            # + d_i on Python ints costs less than the vectorized form's five array operations.
-            hashes, radix = [], self._RADIX
-            for digest in g.tolist():
-                base_hash = (base_hash * radix + digest + 1) & _MASK64
-                hashes.append(base_hash)
-            return np.array(hashes, dtype=np.uint64)
         self._grow(base_block + k)
         # In place, on the one array: the digests, then their weighted prefix sums, then the hashes.
         g += _ONE
