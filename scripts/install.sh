@@ -11,7 +11,7 @@ what=${1:-base}
 VENV=${PENELOPE_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-stamp="$VENV/.installed-$what-$(cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.installed-$what-$(cat pyproject.toml setup.py penelope/cache/_path_loops.c scripts/install.sh | sha1sum | cut -c1-12)"
 [ -f "$stamp" ] && exit 0
 
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }

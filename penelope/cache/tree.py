@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from penelope.cache import path_loops
 from penelope.errors import InvariantError
 
 NO_SLOT = -1
@@ -174,9 +175,11 @@ def _empty_state() -> np.ndarray:
 class RadixTree:
     """The block radix tree and its primitives. Policies decide; this class only executes."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, loops=None):
         self.block_size = block_size
         self._block_bytes = block_size * 8
+        # The per-node loops (`path_loops`): compiled where the install built them.
+        self.loops = loops if loops is not None else path_loops.best()
         self.root = Node(0, None, b"", np.empty(0, dtype=SLOT_DTYPE), _empty_state(),
                          np.empty(0, dtype=np.uint64), 0, 0)
         self.clock = 0
@@ -202,33 +205,8 @@ class RadixTree:
 
         Read-only. Returns the nodes of the path and the number of blocks matched in the last one
         (it may be less than that node's length; every earlier node matches fully)."""
-        # One copy of the walked tokens as bytes: children are found by their first block's bytes,
-        # and a whole node matches when the copy continues with its key (`startswith` at an
-        # offset compares in place, without slicing the copy).
-        raw = tokens[:n_blocks * self.block_size].tobytes()
-        bb = self._block_bytes
-        end = len(raw)
-        children, pos, path = self.root.children, 0, []
-        while pos < end:
-            child = children.get(raw[pos:pos + bb])
-            if child is None:
-                break
-            key = child.key
-            if raw.startswith(key, pos):
-                # The whole node matches: the common case. Positions are absolute: the walk is at
-                # the node's end.
-                path.append(child)
-                pos = child.end * 8
-                children = child.children
-                continue
-            n = min(len(key), end - pos)
-            if raw[pos:pos + n] != key[:n]:
-                ours = np.frombuffer(key, dtype=np.int64, count=n // 8)
-                theirs = tokens[pos // 8:(pos + n) // 8]
-                n = int(np.flatnonzero(ours != theirs)[0]) // self.block_size * bb
-            path.append(child)
-            return path, n // bb
-        return path, path[-1].n_blocks if path else 0
+        # One copy of the walked tokens as bytes, compared in place node by node.
+        return self.loops.walk(self.root, tokens[:n_blocks * self.block_size].tobytes(), self._block_bytes)
 
     def commit(self, path: list[Node], last_blocks: int) -> list[Node]:
         """Split the path's last node where the walk stopped, so the path covers whole nodes."""
@@ -238,8 +216,7 @@ class RadixTree:
 
     def touch(self, path: list[Node]) -> None:
         self.clock += 1
-        for node in path:
-            node.last_access = self.clock
+        self.loops.stamp(path, self.clock)
 
     def split(self, node: Node, k: int) -> Node:
         """Cut `node` after its first k blocks; the new upper node is returned, `node` keeps the
@@ -356,15 +333,8 @@ class RadixTree:
 
     def lock(self, node: Node, delta: int) -> None:
         """Add `delta` (+1 or -1) to lock_ref on the root path of `node`."""
-        # A node becomes locked when its count reaches 1, unlocked when it reaches 0.
-        edge = 1 if delta > 0 else 0
-        root, gpu, resident = self.root, 0, 0
-        while node is not root:
-            node.lock_ref += delta
-            if node.lock_ref == edge:
-                gpu += node.n_gpu
-                resident += node.n_resident
-            node = node.parent
+        # Only the nodes that changed between locked and unlocked move their tokens.
+        gpu, resident = self.loops.lock_path(node, self.root, delta)
         if resident:
             moved = gpu * self.block_size * delta
             self.evictable_tokens -= moved
