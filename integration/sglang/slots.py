@@ -187,7 +187,7 @@ class SGLangSlots:
             return None
         rows = slots.reshape(-1, page)
         first = rows[:, 0]
-        if (first % page).any() or (rows != first[:, None] + self._offsets).any():
+        if np.count_nonzero(first % page) or np.count_nonzero(rows != first[:, None] + self._offsets):
             return None
         return first // page
 
