@@ -231,25 +231,24 @@ class PenelopeRadixCache(BasePrefixCache):
         if params.value is None:
             raise UsageError("penelope: insert needs the KV slots of its key (value=None would cache token ids "
                              "as slots)")
-        value = params.value
-        self._check_slot_tensor(value)
+        slots = self._slot_array(params.value)
         n = len(key) // self.block_size * self.block_size
         namespace = self.namespaces.number(key.extra_key, key.cache_salt, create=True)
         if n == 0:
             return InsertResult(prefix_len=0)
         tokens = key_tokens(key.token_ids, n, namespace)
-        if value.shape[0] < n:
-            raise UsageError(f"penelope: insert of {n} tokens got {value.shape[0]} slots")
-        if value.dtype == torch.int64 and self._on_cpu and not value.requires_grad:
-            slots = value.numpy()[:n]
-        else:
-            slots = value[:n].to("cpu", torch.int64).numpy()
+        if len(slots) < n:
+            raise UsageError(f"penelope: insert of {n} tokens got {len(slots)} slots")
+        slots = slots[:n]
         # KV events name the blocks that become resident: they need the match before the insert.
         before = self.cache.match(tokens, slots=False) if self.kv_events.enabled else None
         # The leading cached tokens keep the tree's slots: the passed ones there are not read.
         # Every slot the tree takes or frees is checked against SGLang's free list first.
-        with self.slots.free_list_checked():
+        self.slots.check_free_list = True
+        try:
             result = self.cache.insert(tokens, slots, keep_leading=True)
+        finally:
+            self.slots.check_free_list = False
         if before is not None:
             self.kv_events.stored(self.cache, tokens, before)
         return InsertResult(prefix_len=result.leading, total_len=n)
@@ -635,6 +634,20 @@ class PenelopeRadixCache(BasePrefixCache):
         """`slots` as a tensor on the pool's device (shares their memory on the CPU)."""
         tensor = torch.from_numpy(slots)
         return tensor if self._on_cpu else tensor.to(self.device)
+
+    def _slot_array(self, value) -> np.ndarray:
+        """`value` (SGLang's slots) as an int64 numpy array, read in place when it is an int64
+        tensor on a CPU pool; refused as `_check_slot_tensor` says otherwise."""
+        if type(value) is torch.Tensor and self._on_cpu and value.dtype == torch.int64:
+            try:
+                array = value.numpy()
+            except (TypeError, RuntimeError):
+                # Not on the CPU: refused below.
+                array = None
+            if array is not None and array.ndim == 1:
+                return array
+        self._check_slot_tensor(value)
+        return value.to("cpu", torch.int64).numpy()
 
     def _check_slot_tensor(self, value) -> None:
         """Raise UsageError unless `value` is what SGLang passes as slots: a 1-D int32/int64

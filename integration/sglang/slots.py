@@ -10,8 +10,6 @@ changes, and the tree never hands a slot back twice. Slots are SGLang's:
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -49,8 +47,10 @@ class SGLangSlots:
         self._by_page_id = type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
         # Scratch for the free-list check: one flag per page id, all False between calls.
         self._free_page = np.zeros(self._pages_end + 1, dtype=bool)
-        # Whether `check_outstanding` also reads SGLang's free list (`free_list_checked`).
-        self._check_free_list = False
+        # Set by the caller around an explicit insert: `check_outstanding` then also refuses slots
+        # on SGLang's free list (never allocated, or freed already). It reads the whole free
+        # list: for explicit ``insert`` calls, not per step.
+        self.check_free_list = False
 
     def free_size(self) -> int:
         return self.sglang.available_size()
@@ -100,19 +100,8 @@ class SGLangSlots:
             repeated = stamp[pages] != order
             if repeated.any():
                 raise UsageError(f"penelope: slot {int(pages[repeated][0]) * page} is passed twice")
-        if self._check_free_list:
+        if self.check_free_list:
             self._check_not_free(pages)
-
-    @contextlib.contextmanager
-    def free_list_checked(self):
-        """Within the block, `check_outstanding` also refuses slots on SGLang's free list (never
-        allocated, or freed already). It reads the whole free list: for explicit ``insert`` calls,
-        not per step."""
-        self._check_free_list = True
-        try:
-            yield
-        finally:
-            self._check_free_list = False
 
     def _check_not_free(self, pages: np.ndarray) -> None:
         """Raise UsageError if one of `pages` (ids within the pool) is on SGLang's free list."""
