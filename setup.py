@@ -1,6 +1,15 @@
 """Builds the compiled per-node loops of the cache's radix tree (`penelope/cache/_path_loops.c`);
 everything else is configured in pyproject.toml. The extension is optional: where no C compiler
-is found the install goes on, and the tree runs the same loops in Python (`path_loops.py`)."""
+is found the install goes on, and the tree runs the same loops in Python (`path_loops.py`). The
+build records the SHA-256 of the C source it compiled (`_path_loops.SOURCE_SHA256`), so a test
+can tell a stale build (a later edit that failed to compile) from a current one."""
+import hashlib
+from pathlib import Path
+
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("penelope.cache._path_loops", ["penelope/cache/_path_loops.c"], optional=True)])
+SOURCE = "penelope/cache/_path_loops.c"
+digest = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
+
+setup(ext_modules=[Extension("penelope.cache._path_loops", [SOURCE], optional=True,
+                             define_macros=[("PATH_LOOPS_SOURCE_SHA256", f'"{digest}"')])])

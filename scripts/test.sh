@@ -11,4 +11,5 @@ VENV=${PENELOPE_VENV:-.venv}
 export TRITON_INTERPRET=1
 cores=$(nproc)
 workers=${PENELOPE_TEST_WORKERS:-$((cores < 4 ? cores : 4))}
-exec "$VENV/bin/python" -m pytest -n "$workers" "$@"
+# loadgroup: tests that share an expensive session fixture run on one worker (`xdist_group`).
+exec "$VENV/bin/python" -m pytest -n "$workers" --dist loadgroup "$@"

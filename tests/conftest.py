@@ -3,6 +3,7 @@ module imports triton). scripts/test.sh sets TRITON_INTERPRET=1 too; this makes 
 `python -m pytest` behave the same."""
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -33,11 +34,31 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The hostile-input fuzz suite's count of inputs and outcomes (see fuzz_tally.py), when it ran.
-    A failed run prints it too, but then its counts are not the closing figures."""
-    import sys
+def pytest_sessionfinish(session):
+    """A parallel run's worker sends its fuzz counts to the controller (`pytest_testnodedown`)."""
+    tally = sys.modules.get("fuzz_tally")
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None and tally is not None and tally.TALLY:
+        output["fuzz_tally"] = [[target, outcome, n] for (target, outcome), n in tally.TALLY.items()]
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, on the controller: add a finished worker's fuzz counts to the run's."""
+    counts = getattr(node, "workeroutput", {}).get("fuzz_tally")
+    if counts:
+        import fuzz_tally
+
+        for target, outcome, n in counts:
+            fuzz_tally.TALLY[target, outcome] += n
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The hostile-input fuzz suite's count of inputs and outcomes (see fuzz_tally.py), when it ran.
+    A failed run prints it too, but then its counts are not the closing figures. In a parallel run
+    the controller prints the workers' counts added up; the workers print nothing."""
+    if hasattr(config, "workeroutput"):
+        return
     tally = sys.modules.get("fuzz_tally")
     if tally is None or not tally.TALLY:
         return

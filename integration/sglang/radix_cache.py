@@ -642,12 +642,16 @@ class PenelopeRadixCache(BasePrefixCache):
             try:
                 array = value.numpy()
             except (TypeError, RuntimeError):
-                # Not on the CPU: refused below.
+                # Not on the CPU (refused below), or a layout numpy cannot read in place.
                 array = None
             if array is not None and array.ndim == 1:
                 return array
         self._check_slot_tensor(value)
-        return value.to("cpu", torch.int64).numpy()
+        try:
+            return value.to("cpu", torch.int64).numpy()
+        except (TypeError, RuntimeError) as error:
+            raise UsageError(f"penelope: insert cannot read its slots ({value.layout}): {error}".split("\n")[0]) \
+                from None
 
     def _check_slot_tensor(self, value) -> None:
         """Raise UsageError unless `value` is what SGLang passes as slots: a 1-D int32/int64

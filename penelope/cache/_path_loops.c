@@ -7,7 +7,7 @@
 #include <Python.h>
 #include <string.h>
 
-static PyObject *s_children, *s_key, *s_end, *s_lock_ref, *s_n_gpu, *s_n_resident, *s_parent,
+static PyObject *s_children, *s_key, *s_lock_ref, *s_n_gpu, *s_n_resident, *s_parent,
     *s_last_access, *s_n_blocks;
 
 /* An int attribute of `node` as a C long; -1 with an exception set on failure. */
@@ -30,43 +30,44 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const char *bytes = (const char *)raw.buf;
     Py_ssize_t end = raw.len, pos = 0;
-    if (children == NULL || bb <= 0) {
-        if (bb <= 0 && children != NULL) PyErr_SetString(PyExc_ValueError, "block_bytes must be positive");
+    if (children == NULL || bb <= 0 || bb % 8) {
+        if (children != NULL) PyErr_SetString(PyExc_ValueError, "block_bytes must be a positive multiple of 8");
         goto done;
     }
+    Py_ssize_t steps = 0;
     while (pos < end) {
+        if (++steps % 4096 == 0 && PyErr_CheckSignals() < 0) goto done;
         PyObject *first = PyBytes_FromStringAndSize(bytes + pos, pos + bb <= end ? bb : end - pos);
         if (first == NULL) goto done;
-        PyObject *child = PyDict_GetItemWithError(children, first); /* borrowed */
+        PyObject *child = PyDict_GetItemWithError(children, first);
         Py_DECREF(first);
         if (child == NULL) {
             if (PyErr_Occurred()) goto done;
             break;
         }
+        /* Held while its attributes are read: reading them may run code that drops it. */
+        Py_INCREF(child);
         PyObject *key = PyObject_GetAttr(child, s_key);
-        if (key == NULL) goto done;
-        if (!PyBytes_Check(key)) {
-            Py_DECREF(key);
-            PyErr_SetString(PyExc_TypeError, "a node's key must be bytes");
+        int appended = key != NULL ? PyList_Append(path, child) : -1;
+        if (key == NULL || appended < 0 || !PyBytes_Check(key)) {
+            if (key != NULL && appended == 0) PyErr_SetString(PyExc_TypeError, "a node's key must be bytes");
+            Py_XDECREF(key);
+            Py_DECREF(child);
             goto done;
         }
         Py_ssize_t klen = PyBytes_GET_SIZE(key);
         const char *kbuf = PyBytes_AS_STRING(key);
-        if (PyList_Append(path, child) < 0) {
+        if (klen > 0 && klen <= end - pos && memcmp(bytes + pos, kbuf, (size_t)klen) == 0) {
+            /* The whole node matches: the common case. */
             Py_DECREF(key);
-            goto done;
-        }
-        if (klen <= end - pos && memcmp(bytes + pos, kbuf, (size_t)klen) == 0) {
-            /* The whole node matches: the common case. Positions are absolute. */
-            Py_DECREF(key);
-            long node_end = int_attr(child, s_end);
-            if (node_end == -1 && PyErr_Occurred()) goto done;
-            pos = (Py_ssize_t)node_end * 8;
+            pos += klen;
             Py_DECREF(children);
             children = PyObject_GetAttr(child, s_children);
+            Py_DECREF(child);
             if (children == NULL) goto done;
             continue;
         }
+        Py_DECREF(child);
         /* The walk stops inside this node: at the first block holding a differing token, or
          * where the tokens end. */
         Py_ssize_t n = klen < end - pos ? klen : end - pos;
@@ -102,8 +103,10 @@ static PyObject *lock_path(PyObject *self, PyObject *args) {
     long delta;
     if (!PyArg_ParseTuple(args, "OOl", &node, &root, &delta)) return NULL;
     long edge = delta > 0 ? 1 : 0, gpu = 0, resident = 0;
+    Py_ssize_t steps = 0;
     Py_INCREF(node);
     while (node != root) {
+        if (++steps % 4096 == 0 && PyErr_CheckSignals() < 0) goto fail;
         if (node == Py_None) {
             Py_DECREF(node);
             PyErr_SetString(PyExc_ValueError, "the node is not under this root");
@@ -111,7 +114,10 @@ static PyObject *lock_path(PyObject *self, PyObject *args) {
         }
         long count = int_attr(node, s_lock_ref);
         if (count == -1 && PyErr_Occurred()) goto fail;
-        count += delta;
+        if (__builtin_add_overflow(count, delta, &count)) {
+            PyErr_SetString(PyExc_OverflowError, "lock count out of range");
+            goto fail;
+        }
         PyObject *value = PyLong_FromLong(count);
         if (value == NULL) goto fail;
         int failed = PyObject_SetAttr(node, s_lock_ref, value);
@@ -122,8 +128,10 @@ static PyObject *lock_path(PyObject *self, PyObject *args) {
             if (g == -1 && PyErr_Occurred()) goto fail;
             r = int_attr(node, s_n_resident);
             if (r == -1 && PyErr_Occurred()) goto fail;
-            gpu += g;
-            resident += r;
+            if (__builtin_add_overflow(gpu, g, &gpu) || __builtin_add_overflow(resident, r, &resident)) {
+                PyErr_SetString(PyExc_OverflowError, "block count out of range");
+                goto fail;
+            }
         }
         PyObject *parent = PyObject_GetAttr(node, s_parent);
         if (parent == NULL) goto fail;
@@ -141,9 +149,14 @@ fail:
 static PyObject *stamp(PyObject *self, PyObject *args) {
     PyObject *path, *clock;
     if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &path, &clock)) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(path);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_SetAttr(PyList_GET_ITEM(path, i), s_last_access, clock) < 0) return NULL;
+    /* The size is read again at every step: setting an attribute may run code that changes the
+     * list; each node is held while its attribute is set. */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
+        PyObject *node = PyList_GET_ITEM(path, i);
+        Py_INCREF(node);
+        int failed = PyObject_SetAttr(node, s_last_access, clock);
+        Py_DECREF(node);
+        if (failed < 0) return NULL;
     }
     Py_RETURN_NONE;
 }
@@ -157,18 +170,27 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_path_loops", NULL, -1, methods};
 
+/* setup.py defines the SHA-256 of this file, so a test can tell a stale build from a current one. */
+#ifndef PATH_LOOPS_SOURCE_SHA256
+#define PATH_LOOPS_SOURCE_SHA256 "unknown"
+#endif
+
 PyMODINIT_FUNC PyInit__path_loops(void) {
     s_children = PyUnicode_InternFromString("children");
     s_key = PyUnicode_InternFromString("key");
-    s_end = PyUnicode_InternFromString("end");
     s_lock_ref = PyUnicode_InternFromString("lock_ref");
     s_n_gpu = PyUnicode_InternFromString("n_gpu");
     s_n_resident = PyUnicode_InternFromString("n_resident");
     s_parent = PyUnicode_InternFromString("parent");
     s_last_access = PyUnicode_InternFromString("last_access");
     s_n_blocks = PyUnicode_InternFromString("n_blocks");
-    if (!s_children || !s_key || !s_end || !s_lock_ref || !s_n_gpu || !s_n_resident || !s_parent || !s_last_access ||
+    if (!s_children || !s_key || !s_lock_ref || !s_n_gpu || !s_n_resident || !s_parent || !s_last_access ||
         !s_n_blocks)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_SHA256", PATH_LOOPS_SOURCE_SHA256) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -318,6 +318,8 @@ class KVCache:
         if len(tokens) > self.capacity:
             raise UsageError(f"a sequence of {len(tokens)} tokens can never fit in a cache of "
                              f"{self.capacity} tokens")
+        if not isinstance(keep_leading, (bool, np.bool_)):
+            raise UsageError(f"keep_leading must be True or False, got {keep_leading!r}")
         if keep_leading and tree_prefix:
             raise UsageError("insert takes tree_prefix or keep_leading, not both")
         lo = self._tree_prefix(match, tree_prefix)

@@ -29,10 +29,9 @@ def walk(root, raw: bytes, block_bytes: int) -> tuple[list, int]:
             break
         key = child.key
         if raw.startswith(key, pos):
-            # The whole node matches: the common case. Positions are absolute: the walk is at
-            # the node's end.
+            # The whole node matches: the common case.
             path.append(child)
-            pos = child.end * 8
+            pos += len(key)
             children = child.children
             continue
         # The walk stops inside this node: at the first block holding a differing token, or where
@@ -72,12 +71,14 @@ PYTHON = SimpleNamespace(name="python", walk=walk, lock_path=lock_path, stamp=st
 
 
 def compiled() -> SimpleNamespace | None:
-    """The compiled loops, or None where the install built no `_path_loops` extension."""
+    """The compiled loops, or None where the install built no `_path_loops` extension. Its
+    `source_sha256` is the SHA-256 of the C source it was built from."""
     try:
         module = importlib.import_module("penelope.cache._path_loops")
     except ImportError:
         return None
-    return SimpleNamespace(name="compiled", walk=module.walk, lock_path=module.lock_path, stamp=module.stamp)
+    return SimpleNamespace(name="compiled", walk=module.walk, lock_path=module.lock_path, stamp=module.stamp,
+                           source_sha256=module.SOURCE_SHA256)
 
 
 def best() -> SimpleNamespace:

@@ -215,6 +215,9 @@ def test_keep_leading_and_a_tree_prefix_are_one_or_the_other():
     before = snapshot(cache)
     with pytest.raises(UsageError, match="tree_prefix or keep_leading"):
         cache.insert(a, slots, m, tree_prefix=8, keep_leading=True)
+    for flag in ("no", 1, np.array([1, 0]), None):
+        with pytest.raises(UsageError, match="keep_leading must be True or False"):
+            cache.insert(a, slots, keep_leading=flag)
     assert snapshot(cache) == before
 
 

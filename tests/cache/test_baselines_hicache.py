@@ -38,6 +38,19 @@ def test_write_through_backs_up_every_inserted_node():
     assert r.cache.backup_size() == 12 and shape(r.cache) == [(0, 8, "GG"), (8, 12, "G")]
 
 
+def test_an_insert_that_keeps_the_leading_run_backs_up_as_any_insert():
+    """`keep_leading` reaches KVCache.insert through the write-through override."""
+    cache = HiCacheLikeCache(16, 16, block_size=4)
+    first = np.asarray(tokens(1, 8), dtype=np.int64)
+    cache.insert(first, cache.alloc(8))
+    longer = np.concatenate([first, np.asarray(tokens(2, 4), dtype=np.int64)])
+    slots = np.concatenate([np.full(8, -7, dtype=np.int64), cache.alloc(4)])
+    result = cache.insert(longer, slots, keep_leading=True)
+    assert result.leading == 8 and result.new == 4
+    assert cache.backup_size() == 12 and shape(cache) == [(0, 8, "GG"), (8, 12, "G")]
+    cache.check_invariants()
+
+
 def test_device_eviction_demotes_the_lru_leaf_and_a_load_keeps_the_host_copy():
     r = rig(16, 32)
     a, b, c = tokens(1, 8), tokens(2, 8), tokens(3, 8)

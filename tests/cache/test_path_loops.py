@@ -2,7 +2,11 @@
 (`path_loops.py`), on the same trees, and a whole cache run on each."""
 from __future__ import annotations
 
+import hashlib
 import random
+import signal
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +25,9 @@ def test_the_install_built_the_compiled_loops_and_the_tree_runs_them():
     """The test environment's install compiles the loops (a failed build would leave the tree on
     the Python ones, silently slower)."""
     assert COMPILED is not None, "penelope.cache._path_loops was not built: is a C compiler installed?"
+    source = Path(path_loops.__file__).with_name("_path_loops.c").read_bytes()
+    assert COMPILED.source_sha256 == hashlib.sha256(source).hexdigest(), \
+        "the built extension is stale: _path_loops.c changed since (did its build fail?)"
     assert RadixTree(4).loops.name == "compiled"
     assert RadixTree(4, loops=path_loops.PYTHON).loops.name == "python"
 
@@ -141,7 +148,71 @@ def test_a_cache_on_either_loops_ends_in_the_same_state(block_size, policy):
 def test_compiled_loops_refuse_what_is_not_a_tree():
     with pytest.raises(TypeError):
         COMPILED.walk(RadixTree(4).root, "not bytes", 32)
-    with pytest.raises(ValueError, match="block_bytes"):
-        COMPILED.walk(RadixTree(4).root, b"", 0)
+    for block_bytes in (0, -8, 12):
+        with pytest.raises(ValueError, match="block_bytes must be a positive multiple of 8"):
+            COMPILED.walk(RadixTree(4).root, b"", block_bytes)
     with pytest.raises(TypeError):
         COMPILED.stamp((), 1)
+
+
+class Loose:
+    """A stand-in node with any attributes."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+def test_compiled_loops_survive_nodes_that_change_the_tree_under_them():
+    """Objects whose attribute reads or writes run code that drops the node being read, or
+    empties the list being stamped: no crash, and the Python reference's answer."""
+    root = Loose(children={})
+
+    class Dropping:
+        children: dict = {}
+        n_blocks = 1
+
+        @property
+        def key(self):
+            root.children.clear()
+            return b"x" * 8
+
+    for loops in (path_loops.PYTHON, COMPILED):
+        root.children = {b"x" * 8: Dropping()}
+        path, last = loops.walk(root, b"x" * 16, 8)
+        assert len(path) == 1 and last == 1
+    path = []
+
+    class Emptying:
+        def __setattr__(self, name, value):
+            path.clear()
+
+    path.extend(Emptying() for _ in range(1000))
+    COMPILED.stamp(path, 1)
+    assert path == []
+
+
+def test_compiled_lock_counts_refuse_to_overflow():
+    root = Loose()
+    node = Loose(lock_ref=sys.maxsize, n_gpu=1, n_resident=1, parent=root)
+    with pytest.raises(OverflowError, match="lock count"):
+        COMPILED.lock_path(node, root, 1)
+    assert node.lock_ref == sys.maxsize
+
+
+def test_a_compiled_loop_over_a_cycle_can_be_interrupted():
+    """A parent chain that never reaches the root (a corrupted tree) loops until a signal: the
+    loop checks for signals, so the handler's exception ends it as in Python."""
+    root, a, b = Loose(), Loose(lock_ref=0, n_gpu=0, n_resident=0), Loose(lock_ref=0, n_gpu=0, n_resident=0)
+    a.parent, b.parent = b, a
+
+    def stop(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(TimeoutError):
+            COMPILED.lock_path(a, root, 1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

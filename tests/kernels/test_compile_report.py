@@ -130,6 +130,11 @@ def _without_interpreter() -> dict:
     return env
 
 
+# The report (one compile of every kernel target, minutes on 2 cores) is built once per process:
+# a parallel run keeps this module's tests on one worker (`--dist loadgroup`, scripts/test.sh).
+pytestmark = pytest.mark.xdist_group("compile_report")
+
+
 @pytest.fixture(scope="session")
 def report(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("compile-report") / "report.json"

@@ -295,6 +295,7 @@ def adapter_state(serving: Serving) -> tuple:
     (lambda held: torch.empty(8, dtype=torch.int64, device="meta"), "on cpu, got .* on meta"),
     (lambda held: held[:8].tolist(), "got a list"),
     (lambda held: held[:8].numpy(), "got a ndarray"),
+    (lambda held: held[:8].to_sparse(), r"cannot read its slots \(torch.sparse_coo\)"),
 ])
 def test_insert_takes_slots_only_as_an_integer_tensor_on_the_pool_device(value, message):
     serving = Serving(size=256, page_size=1, block_size=8)

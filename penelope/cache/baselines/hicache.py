@@ -103,9 +103,9 @@ class HiCacheLikeCache(TieredCache):
         starts = [node.start + i * bs for node in nodes for i in range(node.n_blocks)]
         return LoadResult(loaded_spans(starts, gpu, bs), total, 0, plan)
 
-    def insert(self, tokens, slots, match=None, tree_prefix: int = 0, earlier: int = 0):
+    def insert(self, tokens, slots, match=None, tree_prefix: int = 0, earlier: int = 0, keep_leading: bool = False):
         """`KVCache.insert`, then write-through: back up the path's GPU nodes, parents first."""
-        result = super().insert(tokens, slots, match, tree_prefix, earlier)
+        result = super().insert(tokens, slots, match, tree_prefix, earlier, keep_leading)
         tokens = np.asarray(tokens, dtype=np.int64)
         path, _ = self.tree.walk(tokens, len(tokens) // self.block_size)
         gpu, host = [], []
