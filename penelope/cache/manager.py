@@ -328,7 +328,7 @@ class KVCache:
         full = n_blocks * bs
         path, last = self._walk_again(match, tokens, n_blocks) if match is not None else tree.walk(tokens, n_blocks)
         walked = path[-1].start + last * bs if path else 0
-        on_gpu = tree.on_gpu() or all(node.n_gpu == node.n_blocks for node in path)
+        on_gpu = tree.path_on_gpu(path)
         leading = walked if on_gpu else _leading_gpu(path, walked, bs)
         if keep_leading:
             lo = leading
@@ -595,7 +595,7 @@ class KVCache:
     def _spans(self, path: list[Node], with_slots: bool = True) -> list[Span]:
         """Merge the per-block states of the path into maximal runs of one state (without their
         slots unless `with_slots`)."""
-        if path and (self.tree.on_gpu() or all(node.n_gpu == node.n_blocks for node in path)):
+        if path and self.tree.path_on_gpu(path):
             # The common case, a path wholly on the GPU: one span, no per-run bookkeeping.
             slots = np.concatenate([node.slots for node in path], dtype=np.int64) if with_slots else EMPTY_SLOTS
             return [Span(0, path[-1].end, BlockState.GPU, slots)]

@@ -162,16 +162,15 @@ class EvictionPolicy(ABC):
         locked node. Node policies may free more than asked."""
         out = Released()
         root = tree.root
-        # `is_candidate` and, for least recently used, `priority`, inline: this runs over every
-        # leaf of the tree.
-        if type(self).priority is EvictionPolicy.priority and not self.fresh_keys:
-            heap = [((leaf.last_access,), leaf.id, leaf) for leaf in tree.leaves if leaf.lock_ref == 0
-                    and leaf.n_resident > 0 and not leaf.children and leaf.alive and leaf is not root]
+        # `is_candidate`, inline: this runs over every leaf of the tree.
+        candidates = [leaf for leaf in tree.leaves if leaf.lock_ref == 0 and leaf.n_resident > 0
+                      and not leaf.children and leaf.alive and leaf is not root]
+        if self.fresh_keys:
+            return self._evict_fresh(tree, n_blocks, candidates, out)
+        if type(self).priority is EvictionPolicy.priority:
+            # Least recently used, the default `priority`, inline: no call per leaf.
+            heap = [((leaf.last_access,), leaf.id, leaf) for leaf in candidates]
         else:
-            candidates = [leaf for leaf in tree.leaves if leaf.lock_ref == 0 and leaf.n_resident > 0
-                          and not leaf.children and leaf.alive and leaf is not root]
-            if self.fresh_keys:
-                return self._evict_fresh(tree, n_blocks, candidates, out)
             heap = [(self.priority(tree, leaf), leaf.id, leaf) for leaf in candidates]
         heapq.heapify(heap)
         while out.blocks < n_blocks and heap:

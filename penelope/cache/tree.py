@@ -138,25 +138,26 @@ class PrefixHasher:
         k = len(tokens) // self.block_size
         if k == 0:
             return np.empty(0, dtype=np.uint64)
-        if k <= _SHORT_RUN:
+        short = k <= _SHORT_RUN
+        if short and self.block_size == 1:
+            # The same digests, without an array operation.
+            mix = self._mix_first
+            digests = [(token & _MASK64) * mix & _MASK64 for token in tokens.tolist()]
+        elif self.block_size == 1:
+            # The same digests; a (k, 1) @ (1,) product costs numpy more than a multiply.
+            g = tokens.view(np.uint64) * self._mix[0]
+        else:
+            g = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix
+            digests = g.tolist() if short else None
+        if short:
             # A few blocks (a turn's new tokens at small pages): the recurrence H_i = H_{i-1} * R
             # + d_i on Python ints costs less than the vectorized form's array operations, each
             # of which costs microseconds whatever its size.
-            if self.block_size == 1:
-                mix = self._mix_first
-                digests = [(token & _MASK64) * mix & _MASK64 for token in tokens.tolist()]
-            else:
-                digests = (tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix).tolist()
             hashes, radix = [], self._RADIX
             for digest in digests:
                 base_hash = (base_hash * radix + digest + 1) & _MASK64
                 hashes.append(base_hash)
             return np.array(hashes, dtype=np.uint64)
-        if self.block_size == 1:
-            # The same digests; a (k, 1) @ (1,) product costs numpy more than a multiply.
-            g = tokens.view(np.uint64) * self._mix[0]
-        else:
-            g = tokens.view(np.uint64).reshape(k, self.block_size) @ self._mix
         self._grow(base_block + k)
         # In place, on the one array: the digests, then their weighted prefix sums, then the hashes.
         g += _ONE
@@ -199,6 +200,11 @@ class RadixTree:
         """Whether every block of the tree is on the GPU (no hole, nothing on the CPU tier): then
         every path is, and callers skip their per-node state checks."""
         return self.evictable_tokens + self.protected_tokens == self.n_blocks * self.block_size
+
+    def path_on_gpu(self, path: list[Node]) -> bool:
+        """Whether every block of `path` is on the GPU (checked node by node only when the tree
+        holds a hole or a CPU block)."""
+        return self.on_gpu() or all(node.n_gpu == node.n_blocks for node in path)
 
     def walk(self, tokens: np.ndarray, n_blocks: int) -> tuple[list[Node], int]:
         """Follow `tokens[: n_blocks * block_size]` down the tree through blocks of any state.
