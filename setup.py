@@ -11,5 +11,13 @@ from setuptools import Extension, setup
 SOURCE = "penelope/cache/_path_loops.c"
 digest = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
 
+try:
+    # The loops read numpy arrays through numpy's C API (pyproject.toml's build requirements).
+    import numpy
+except ImportError:
+    numpy = None
+    print("penelope: numpy is missing at build time; the cache tree will run its loops in Python")
+
 setup(ext_modules=[Extension("penelope.cache._path_loops", [SOURCE], optional=True,
-                             define_macros=[("PATH_LOOPS_SOURCE_SHA256", f'"{digest}"')])])
+                             include_dirs=[numpy.get_include()],
+                             define_macros=[("PATH_LOOPS_SOURCE_SHA256", f'"{digest}"')])] if numpy else [])

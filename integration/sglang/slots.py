@@ -14,10 +14,8 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
+from penelope.cache import path_loops
 from penelope.errors import InvariantError, UsageError
-
-# Up to this many pages, `check_outstanding` checks them on a list of Python ints.
-_FEW_PAGES = 64
 
 
 class SGLangSlots:
@@ -39,14 +37,13 @@ class SGLangSlots:
         # Pages the tree holds, by page id.
         self._in_tree = np.zeros(self._pages_end, dtype=bool)
         self._held = 0
-        # Scratch for the duplicate check: page id -> index of its last occurrence.
-        self._stamp = np.zeros(self._pages_end, dtype=np.int64)
         self._offsets = np.arange(self.page_size, dtype=np.int64)
         # The stock allocators free pages named by id as they are; others (page-interleaved
         # shards) only through `free`.
         self._by_page_id = type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
-        # Scratch for the free-list check: one flag per page id, all False between calls.
-        self._free_page = np.zeros(self._pages_end + 1, dtype=bool)
+        # Scratch of the page checks: one mark per page id, all 0 between calls.
+        self._scratch = np.zeros(self._pages_end, dtype=np.uint8)
+        self._loops = path_loops.best()
         # Set by the caller around an explicit insert: `check_outstanding` then also refuses slots
         # on SGLang's free list (never allocated, or freed already). It reads the whole free
         # list: for explicit ``insert`` calls, not per step.
@@ -73,7 +70,8 @@ class SGLangSlots:
 
     def check_outstanding(self, slots: np.ndarray) -> None:
         """Raise UsageError unless `slots` are distinct pool slots the tree does not hold, in whole
-        pages (one page's slots in order)."""
+        pages (one page's slots in order), and, while `check_free_list` is set, none is on SGLang's
+        free list."""
         if not len(slots):
             return
         pages = self._whole_pages(slots)
@@ -81,43 +79,42 @@ class SGLangSlots:
             # Not whole pages: the checks slot by slot name the first bad slot, as for whole pages.
             self._check_slots(slots)
             raise UsageError(f"penelope: slots must fill whole pages of {self.page_size} (one page's slots in order)")
-        page = self.page_size
-        # A request's new pages are usually few: on a list of Python ints, the range and the
-        # duplicate checks cost less than numpy's reductions, whose cost is per call.
-        few = pages.tolist() if len(pages) <= _FEW_PAGES else None
-        low, high = (min(few), max(few)) if few is not None else (int(pages.min()), int(pages.max()))
-        if low < 1 or high >= self._pages_end:
-            raise UsageError(f"penelope: slot {low * page if low < 1 else high * page + page - 1} is outside "
-                             f"SGLang's pool [{page}, {self._end})")
-        held = self._in_tree[pages]
-        # `count_nonzero` rather than `.any()`: the same answer at a fraction of the call's cost.
-        if np.count_nonzero(held):
-            raise UsageError(f"penelope: slot {int(pages[held][0]) * page} is already held by the cache")
-        if few is None or len(set(few)) < len(few):
-            order = np.arange(len(pages), dtype=np.int64)
-            stamp = self._stamp
-            stamp[pages] = order
-            repeated = stamp[pages] != order
-            if repeated.any():
-                raise UsageError(f"penelope: slot {int(pages[repeated][0]) * page} is passed twice")
-        if self.check_free_list:
-            self._check_not_free(pages)
+        pages = np.ascontiguousarray(pages)
+        listed = self._free_list() if self.check_free_list else None
+        # Every check in one pass over the pages (compiled where the install built the loops);
+        # the message is worked out only when one fails.
+        problem = self._loops.page_problem(pages, self._pages_end, self._in_tree, listed, self._scratch)
+        if problem:
+            self._refuse(pages, problem, listed)
 
-    def _check_not_free(self, pages: np.ndarray) -> None:
-        """Raise UsageError if one of `pages` (ids within the pool) is on SGLang's free list."""
+    def _free_list(self) -> np.ndarray | None:
+        """SGLang's free page ids (int64), read in place on a CPU pool; None where its allocator
+        keeps no page free list."""
         free_pages = self.sglang.get_all_free_pages()
         if free_pages is None:
-            return
-        # SGLang's page ids, read in place on a CPU pool.
+            return None
         free = free_pages.numpy() if self._on_cpu else free_pages.to("cpu", torch.int64).numpy()
-        # Page-indexed flags, set and cleared again: linear in the free list, no sort.
-        flags = self._free_page
-        flags[free] = True
-        listed = flags[pages]
-        flags[free] = False
-        if np.count_nonzero(listed):
-            raise UsageError(f"penelope: slot page {int(pages[listed].min())} was never allocated (it is on "
-                             "SGLang's free list)")
+        return np.ascontiguousarray(free, dtype=np.int64)
+
+    def _refuse(self, pages: np.ndarray, problem: int, listed: np.ndarray | None) -> None:
+        """Raise the UsageError of the first check `pages` failed (`path_loops.page_problem`)."""
+        page = self.page_size
+        if problem == path_loops.OUTSIDE:
+            low, high = int(pages.min()), int(pages.max())
+            raise UsageError(f"penelope: slot {low * page if low < 1 else high * page + page - 1} is outside "
+                             f"SGLang's pool [{page}, {self._end})")
+        if problem == path_loops.HELD:
+            raise UsageError(f"penelope: slot {int(pages[self._in_tree[pages]][0]) * page} is already held by "
+                             "the cache")
+        if problem == path_loops.TWICE:
+            # The first page in `pages` that appears again later.
+            values, counts = np.unique(pages, return_counts=True)
+            repeated = np.isin(pages, values[counts > 1])
+            raise UsageError(f"penelope: slot {int(pages[repeated][0]) * page} is passed twice")
+        if problem == path_loops.LISTED:
+            lowest = int(pages[np.isin(pages, listed)].min())
+            raise UsageError(f"penelope: slot page {lowest} was never allocated (it is on SGLang's free list)")
+        raise InvariantError(f"penelope: page check failed with an unknown problem {problem}")
 
     def adopt(self, slots: np.ndarray) -> None:
         """The tree takes slots a request held (checked by `check_outstanding`: whole pages)."""

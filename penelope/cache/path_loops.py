@@ -1,10 +1,11 @@
 """The radix tree's per-node loops: the walk down a root path, the lock count along a root path,
-and the recency stamp of a path.
+the recency stamp of a path, the gather of a path's slots; and two loops over a request's blocks
+and pages: the prefix hashes of a run of blocks, and the checks of the pages a tree takes.
 
 These run several times per request over every node of its path (one node per turn of an agent's
-history), so their cost per node is the tree's cost per request. The Python functions here are
-the reference; `_path_loops.c` is the same three functions compiled, built by the package's
-install where a C compiler is found. `RadixTree` takes the compiled ones when they were built
+history) or every block it adds, so their cost per node is the tree's cost per request. The Python
+functions here are the reference; `_path_loops.c` is the same functions compiled, built by the
+package's install where a C compiler is found. `RadixTree` takes the compiled ones when they were built
 (`best()`); its `loops.name` says which it runs, and tests run both on the same trees.
 """
 from __future__ import annotations
@@ -67,7 +68,63 @@ def stamp(path: list, clock: int) -> None:
         node.last_access = clock
 
 
-PYTHON = SimpleNamespace(name="python", walk=walk, lock_path=lock_path, stamp=stamp)
+def gather(path: list, out: np.ndarray) -> None:
+    """The nodes' slots (int32), one node after the other, into `out` (int64), whose length must
+    be their total."""
+    pos = 0
+    for node in path:
+        n = len(node.slots)
+        if pos + n > len(out):
+            raise ValueError("out is shorter than the path's slots")
+        out[pos:pos + n] = node.slots
+        pos += n
+    if pos != len(out):
+        raise ValueError("out is longer than the path's slots")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def prefix_hashes(base: int, tokens: np.ndarray, mix: np.ndarray, radix: int, out: np.ndarray) -> None:
+    """The prefix hash after each block of `tokens` (int64, `len(out)` blocks of `len(mix)`
+    tokens) into `out` (uint64): H_i = H_{i-1} * radix + d_i + 1 (mod 2**64) from H_{-1} = `base`,
+    where d_i = sum_j tokens[i * bs + j] * mix[j] (mod 2**64), tokens read as unsigned."""
+    bs, k = len(mix), len(out)
+    if bs == 0 or len(tokens) != k * bs:
+        raise ValueError("tokens must hold len(out) blocks of len(mix) tokens")
+    weights = [int(m) for m in mix]
+    values = tokens.tolist()
+    for i in range(k):
+        digest = sum((values[i * bs + j] & _MASK64) * weights[j] for j in range(bs)) & _MASK64
+        base = (base * radix + digest + 1) & _MASK64
+        out[i] = base
+
+
+# What `page_problem` finds, in the order it checks.
+OUTSIDE, HELD, TWICE, LISTED = 1, 2, 3, 4
+
+
+def page_problem(pages: np.ndarray, end: int, held: np.ndarray, listed: np.ndarray | None,
+                 scratch: np.ndarray) -> int:
+    """0 if `pages` (int64 page ids) pass every check, else the first they fail, in this order:
+    OUTSIDE (a page outside [1, `end`)), HELD (a page flagged in `held`, bool per page id), TWICE
+    (a page passed twice), LISTED (a page in `listed`, int64 page ids, when not None). `scratch`
+    (the compiled version's marks, one byte per page id) is not used here."""
+    if not len(pages):
+        return 0
+    if int(pages.min()) < 1 or int(pages.max()) >= end:
+        return OUTSIDE
+    if held[pages].any():
+        return HELD
+    if len(np.unique(pages)) < len(pages):
+        return TWICE
+    if listed is not None and np.isin(pages, listed).any():
+        return LISTED
+    return 0
+
+
+PYTHON = SimpleNamespace(name="python", walk=walk, lock_path=lock_path, stamp=stamp, gather=gather,
+                         prefix_hashes=prefix_hashes, page_problem=page_problem)
 
 
 def compiled() -> SimpleNamespace | None:
@@ -78,7 +135,8 @@ def compiled() -> SimpleNamespace | None:
     except ImportError:
         return None
     return SimpleNamespace(name="compiled", walk=module.walk, lock_path=module.lock_path, stamp=module.stamp,
-                           source_sha256=module.SOURCE_SHA256)
+                           gather=module.gather, prefix_hashes=module.prefix_hashes,
+                           page_problem=module.page_problem, source_sha256=module.SOURCE_SHA256)
 
 
 def best() -> SimpleNamespace:

@@ -112,7 +112,10 @@ class PrefixHasher:
 
     _RADIX = 0x9E3779B97F4A7C15
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, compiled=None):
+        # `compiled`: the compiled recurrence (`path_loops`' `prefix_hashes`), used for every run
+        # where it was built.
+        self._compiled = compiled
         rng = np.random.default_rng(20250101)
         self._mix = rng.integers(1, 1 << 63, size=block_size, dtype=np.uint64) | np.uint64(1)
         self._mix_first = int(self._mix[0])
@@ -138,6 +141,10 @@ class PrefixHasher:
         k = len(tokens) // self.block_size
         if k == 0:
             return np.empty(0, dtype=np.uint64)
+        if self._compiled is not None and tokens.flags.c_contiguous:
+            out = np.empty(k, dtype=np.uint64)
+            self._compiled(base_hash, tokens[:k * self.block_size], self._mix, self._RADIX, out)
+            return out
         short = k <= _SHORT_RUN
         if short and self.block_size == 1:
             # The same digests, without an array operation.
@@ -179,8 +186,8 @@ class RadixTree:
     def __init__(self, block_size: int, loops=None):
         self.block_size = block_size
         self._block_bytes = block_size * 8
-        # The per-node loops (`path_loops`): compiled where the install built them.
-        self.loops = loops if loops is not None else path_loops.best()
+        self.hasher = PrefixHasher(block_size)
+        self.set_loops(loops if loops is not None else path_loops.best())
         self.root = Node(0, None, b"", np.empty(0, dtype=SLOT_DTYPE), _empty_state(),
                          np.empty(0, dtype=np.uint64), 0, 0)
         self.clock = 0
@@ -193,8 +200,13 @@ class RadixTree:
         # Blocks of every node in any state: `on_gpu` compares them with the GPU tokens.
         self.n_blocks = 0
         self.leaves: set[Node] = set()
-        self.hasher = PrefixHasher(block_size)
         self._next_id = 1
+
+    def set_loops(self, loops) -> None:
+        """Run the inner loops of `loops` (`path_loops.PYTHON` or `path_loops.compiled()`); the
+        prefix hashes use numpy's vectorized form with the Python loops."""
+        self.loops = loops
+        self.hasher._compiled = None if loops is path_loops.PYTHON else loops.prefix_hashes
 
     def on_gpu(self) -> bool:
         """Whether every block of the tree is on the GPU (no hole, nothing on the CPU tier): then
@@ -205,6 +217,14 @@ class RadixTree:
         """Whether every block of `path` is on the GPU (checked node by node only when the tree
         holds a hole or a CPU block)."""
         return self.on_gpu() or all(node.n_gpu == node.n_blocks for node in path)
+
+    def path_slots(self, path: list[Node]) -> np.ndarray:
+        """The slots of `path`'s nodes one after the other (int64; NO_SLOT at MISSING blocks)."""
+        if self.loops is path_loops.PYTHON:
+            return np.concatenate([node.slots for node in path], dtype=np.int64)
+        out = np.empty(path[-1].end - path[0].start if path else 0, dtype=np.int64)
+        self.loops.gather(path, out)
+        return out
 
     def walk(self, tokens: np.ndarray, n_blocks: int) -> tuple[list[Node], int]:
         """Follow `tokens[: n_blocks * block_size]` down the tree through blocks of any state.
@@ -301,6 +321,9 @@ class RadixTree:
         """Delete blocks from the end of leaf `node` until k resident ones are gone (all when
         k >= its resident count); the node is removed when nothing is left."""
         assert not node.children, node
+        if node.n_gpu == node.n_blocks:
+            self._free_gpu_tail(node, max(node.n_blocks - k, 0), out)
+            return
         resident = np.flatnonzero(node.state != _MISSING)
         cut = 0 if k >= len(resident) else int(resident[-k])
         self._release(node, resident[resident >= cut], out)
@@ -308,6 +331,30 @@ class RadixTree:
             self.remove(node)
         else:
             self._truncate(node, cut)
+
+    def _free_gpu_tail(self, node: Node, cut: int, out: Released) -> None:
+        """`free_tail` of a leaf wholly on the GPU (the common case): its blocks from `cut` on
+        are one run, released without per-block bookkeeping; the leaf keeps its first `cut`
+        blocks, or is removed when `cut` is 0."""
+        bs, t = self.block_size, cut * self.block_size
+        freed = node.n_blocks - cut
+        out.gpu_slots.append(node.slots[t:].copy())
+        out.hashes.append(node.hashes[cut:])
+        out.ranges.append((node.start + t, node.end))
+        out.blocks += freed
+        self._count(node, -freed * bs)
+        self.epoch += 1
+        node.n_gpu = node.n_resident = cut
+        if cut == 0:
+            # The whole leaf goes: its arrays go with it.
+            node.state[:] = _MISSING
+            node.slots[:] = NO_SLOT
+            self.remove(node)
+            return
+        self.n_blocks -= freed
+        node.key, node.slots = node.key[:t * 8], node.slots[:t].copy()
+        node.state, node.hashes = node.state[:cut].copy(), node.hashes[:cut].copy()
+        node.n_blocks, node.end = cut, node.start + t
 
     def prune(self, node: Node) -> Node | None:
         """Remove an unlocked childless node that holds no resident block (nothing after its
@@ -455,9 +502,14 @@ class RadixTree:
         rows[blocks] = NO_SLOT
         node.recount()
         # One range per run of consecutive blocks, in absolute token positions.
-        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
-        for run in np.split(blocks, breaks):
-            out.ranges.append((node.start + int(run[0]) * bs, node.start + (int(run[-1]) + 1) * bs))
+        first, last = int(blocks[0]), int(blocks[-1])
+        if last - first + 1 == len(blocks):
+            # One run (blocks are ascending and distinct).
+            out.ranges.append((node.start + first * bs, node.start + (last + 1) * bs))
+        else:
+            breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+            for run in np.split(blocks, breaks):
+                out.ranges.append((node.start + int(run[0]) * bs, node.start + (int(run[-1]) + 1) * bs))
         self.epoch += 1
 
     def _truncate(self, node: Node, k: int) -> None:

@@ -1,5 +1,5 @@
-"""The tree's per-node loops: the compiled ones (`_path_loops.c`) against the Python reference
-(`path_loops.py`), on the same trees, and a whole cache run on each."""
+"""The cache's inner loops: the compiled ones (`_path_loops.c`) against the Python reference
+(`path_loops.py`), on the same trees and arrays, and a whole cache run on each."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +15,7 @@ from reference_cache import dump_real
 
 from penelope.cache import path_loops
 from penelope.cache.manager import KVCache
-from penelope.cache.tree import RadixTree
+from penelope.cache.tree import PrefixHasher, RadixTree
 
 COMPILED = path_loops.compiled()
 SYSTEM = list(range(5000, 5024))
@@ -37,7 +37,7 @@ def grown_cache(block_size: int, policy: str, seed: int, loops=None) -> KVCache:
     some forking mid-block, evictions (holes under `penelope`) and locks held across turns."""
     cache = KVCache(4096, block_size=block_size, policy=policy)
     if loops is not None:
-        cache.tree.loops = loops
+        cache.tree.set_loops(loops)
     rng = random.Random(seed)
     sessions = [list(SYSTEM) + [rng.randrange(100_000) for _ in range(rng.randrange(0, 40))] for _ in range(6)]
     held = []
@@ -141,6 +141,10 @@ def test_a_cache_on_either_loops_ends_in_the_same_state(block_size, policy):
     caches = [grown_cache(block_size, policy, seed=5, loops=loops) for loops in (path_loops.PYTHON, COMPILED)]
     assert caches[0].tree.loops.name == "python" and caches[1].tree.loops.name == "compiled"
     assert dump_real(caches[0]) == dump_real(caches[1])
+    # The prefix hashes: numpy's vectorized form on the Python side, the compiled recurrence here.
+    assert caches[0].tree.hasher._compiled is None and caches[1].tree.hasher._compiled is not None
+    hashes = [sorted((n.start, n.tokens.tobytes(), n.hashes.tolist()) for n in c.tree.nodes()) for c in caches]
+    assert hashes[0] == hashes[1]
     assert [(c.evictable_size(), c.protected_size(), c.free_size()) for c in caches].count(
         (caches[0].evictable_size(), caches[0].protected_size(), caches[0].free_size())) == 2
 
@@ -216,3 +220,119 @@ def test_a_compiled_loop_over_a_cycle_can_be_interrupted():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("policy", ["penelope", "sglang"])
+def test_compiled_gathers_copy_what_the_python_gather_copies(block_size, policy):
+    """Every node's root path (holes included: their NO_SLOT entries are copied too): the same
+    int64 slots as numpy's concatenation, from both versions and from `RadixTree.path_slots`."""
+    cache = grown_cache(block_size, policy, seed=block_size + 20)
+    tree = cache.tree
+    nodes = list(tree.nodes())
+    assert len(nodes) > 10
+    for node in nodes:
+        path = tree.path_to_root(node)
+        want = np.concatenate([n.slots for n in path], dtype=np.int64)
+        for loops in (path_loops.PYTHON, COMPILED):
+            out = np.full(len(want), -7, dtype=np.int64)
+            loops.gather(path, out)
+            assert np.array_equal(out, want)
+        assert np.array_equal(tree.path_slots(path), want)
+    assert len(tree.path_slots([])) == 0
+
+
+def test_gathers_refuse_an_out_of_the_wrong_length_or_type():
+    tree = grown_cache(4, "sglang", seed=2).tree
+    path = tree.path_to_root(max(tree.nodes(), key=lambda n: n.end))
+    total = path[-1].end
+    for loops in (path_loops.PYTHON, COMPILED):
+        with pytest.raises(ValueError, match="shorter"):
+            loops.gather(path, np.empty(total - 1, dtype=np.int64))
+        with pytest.raises(ValueError, match="longer"):
+            loops.gather(path, np.empty(total + 1, dtype=np.int64))
+    for bad in (np.empty(total, dtype=np.int32), np.empty(total, dtype=np.float64), np.empty((total, 1), np.int64),
+                np.empty(2 * total, dtype=np.int64)[::2], list(range(total))):
+        with pytest.raises(TypeError):
+            COMPILED.gather(path, bad)
+    read_only = np.empty(total, dtype=np.int64)
+    read_only.flags.writeable = False
+    with pytest.raises(TypeError, match="writable"):
+        COMPILED.gather(path, read_only)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 64])
+def test_compiled_prefix_hashes_follow_the_recurrence(block_size):
+    """Token ids over the whole int64 range (negatives read as unsigned), bases at both ends of
+    uint64, runs of 1 to 40 blocks: the compiled recurrence, the Python reference and the
+    hasher's numpy form (short and long runs) give the same hashes."""
+    rng = np.random.default_rng(block_size)
+    numpy_form = PrefixHasher(block_size)
+    compiled_form = PrefixHasher(block_size, COMPILED.prefix_hashes)
+    mix, radix = numpy_form._mix, PrefixHasher._RADIX
+    for base in (0, 1, 2**64 - 1, int(rng.integers(0, 2**63))):
+        for k in (1, 2, 16, 17, 40):
+            tokens = rng.integers(-2**63, 2**63 - 1, k * block_size, dtype=np.int64, endpoint=True)
+            want = np.empty(k, dtype=np.uint64)
+            path_loops.PYTHON.prefix_hashes(base, tokens, mix, radix, want)
+            got = np.empty(k, dtype=np.uint64)
+            COMPILED.prefix_hashes(base, tokens, mix, radix, got)
+            assert got.tolist() == want.tolist()
+            assert numpy_form.extend(base, 5, tokens).tolist() == want.tolist()
+            assert compiled_form.extend(base, 5, tokens).tolist() == want.tolist()
+    with pytest.raises(ValueError, match="blocks"):
+        COMPILED.prefix_hashes(0, np.zeros(block_size + 1, dtype=np.int64), mix, radix, np.empty(1, np.uint64))
+    with pytest.raises(OverflowError):
+        COMPILED.prefix_hashes(-1, np.zeros(block_size, dtype=np.int64), mix, radix, np.empty(1, np.uint64))
+
+
+def test_the_tree_hashes_with_the_compiled_recurrence():
+    assert RadixTree(4).hasher._compiled is COMPILED.prefix_hashes
+    assert RadixTree(4, loops=path_loops.PYTHON).hasher._compiled is None
+
+
+def planted_pages(rng, end: int, problem: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pages, held flags, listed ids) whose first problem (`path_loops.page_problem`'s order) is
+    `problem` (0: none); problems later in the order are planted too, to test the order."""
+    held = np.zeros(end, dtype=bool)
+    free_ids = rng.permutation(np.arange(1, end))
+    pages = free_ids[:rng.integers(1, 30)].astype(np.int64)
+    others = free_ids[len(pages):]
+    held[others[:10]] = True
+    listed = others[10:40].astype(np.int64)
+    if problem <= path_loops.LISTED and problem:
+        listed = np.append(listed, pages[rng.integers(0, len(pages))])
+    if problem <= path_loops.TWICE and problem:
+        pages = np.insert(pages, rng.integers(0, len(pages) + 1), pages[rng.integers(0, len(pages))])
+    if problem <= path_loops.HELD and problem:
+        held[pages[rng.integers(0, len(pages))]] = True
+    if problem == path_loops.OUTSIDE:
+        pages[rng.integers(0, len(pages))] = rng.choice([0, -3, end, end + 100])
+    return pages, held, listed
+
+
+def test_compiled_page_checks_find_the_first_problem_the_python_ones_find():
+    rng = np.random.default_rng(0)
+    end = 500
+    for trial in range(400):
+        problem = trial % 5
+        pages, held, listed = planted_pages(rng, end, problem)
+        for with_list in (True, False):
+            listed_or_none = listed if with_list else None
+            want = path_loops.PYTHON.page_problem(pages, end, held, listed_or_none, None)
+            scratch = np.zeros(end, dtype=np.uint8)
+            got = COMPILED.page_problem(pages, end, held, listed_or_none, scratch)
+            assert got == want
+            assert want == (problem if with_list or problem != path_loops.LISTED else 0)
+            assert not scratch.any()
+
+
+def test_compiled_page_checks_refuse_scratch_that_does_not_cover_the_pool():
+    pages = np.array([1, 2], dtype=np.int64)
+    with pytest.raises(ValueError, match="cover"):
+        COMPILED.page_problem(pages, 10, np.zeros(10, bool), None, np.zeros(5, np.uint8))
+    with pytest.raises(TypeError):
+        COMPILED.page_problem(pages.astype(np.int32), 10, np.zeros(10, bool), None, np.zeros(10, np.uint8))
+    # Listed ids outside the scratch (another allocator's bookkeeping) cannot match a page.
+    listed = np.array([-1, 10_000], dtype=np.int64)
+    assert COMPILED.page_problem(pages, 10, np.zeros(10, bool), listed, np.zeros(10, np.uint8)) == 0
