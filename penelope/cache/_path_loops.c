@@ -24,7 +24,8 @@ static long int_attr(PyObject *node, PyObject *name) {
     return out;
 }
 
-/* walk(root, raw, block_bytes) -> (path, last_blocks), as path_loops.walk. */
+/* walk(root, raw, block_bytes) -> (path, last_blocks), as path_loops.walk; `raw` is any
+ * C-contiguous buffer (bytes, or the int64 token array itself, read in place). */
 static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *root;
     Py_buffer raw;

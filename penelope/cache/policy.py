@@ -161,17 +161,16 @@ class EvictionPolicy(ABC):
         """Free at least `n_blocks` resident blocks, or all that are evictable. Never touches a
         locked node. Node policies may free more than asked."""
         out = Released()
+        if type(self).priority is EvictionPolicy.priority and not self.fresh_keys:
+            # Least recently used, the default `priority`: the tree's heap of leaves by stamp.
+            return self._evict_by_recency(tree, n_blocks, out)
         root = tree.root
         # `is_candidate`, inline: this runs over every leaf of the tree.
         candidates = [leaf for leaf in tree.leaves if leaf.lock_ref == 0 and leaf.n_resident > 0
                       and not leaf.children and leaf.alive and leaf is not root]
         if self.fresh_keys:
             return self._evict_fresh(tree, n_blocks, candidates, out)
-        if type(self).priority is EvictionPolicy.priority:
-            # Least recently used, the default `priority`, inline: no call per leaf.
-            heap = [((leaf.last_access,), leaf.id, leaf) for leaf in candidates]
-        else:
-            heap = [(self.priority(tree, leaf), leaf.id, leaf) for leaf in candidates]
+        heap = [(self.priority(tree, leaf), leaf.id, leaf) for leaf in candidates]
         heapq.heapify(heap)
         while out.blocks < n_blocks and heap:
             leaf = heapq.heappop(heap)[2]
@@ -180,6 +179,33 @@ class EvictionPolicy(ABC):
             survivor = tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
             if survivor is not None and is_candidate(tree, survivor):
                 heapq.heappush(heap, (self.priority(tree, survivor), survivor.id, survivor))
+        if out.blocks:
+            self.evicted(tree, out)
+        return out
+
+    def _evict_by_recency(self, tree: RadixTree, n_blocks: int, out: Released) -> Released:
+        """The same loop in least-recently-used order, on the tree's recency heap
+        (`RadixTree.recency_heap`): the victims are the candidates, oldest stamp first, as the
+        loop above would order them, without a scan of every leaf. A leaf that a victim's removal
+        leaves behind joins the heap as the tree removes the victim."""
+        heap = tree.recency_heap()
+        # Entries of current leaves that cannot be evicted now (locked, or holding no resident
+        # block): pushed back afterwards, since they stay leaves with these stamps.
+        kept = []
+        while out.blocks < n_blocks and heap:
+            entry = heapq.heappop(heap)
+            stamp, _, leaf = entry
+            if not leaf.alive or leaf.children or leaf.last_access != stamp:
+                continue  # stale
+            if leaf.lock_ref or not leaf.n_resident:
+                kept.append(entry)
+                continue
+            tree.prune(self._evict_leaf(tree, leaf, n_blocks - out.blocks, out))
+            if leaf.alive and not leaf.children:
+                # Part of it is left: still a leaf, with its stamp.
+                heapq.heappush(heap, entry)
+        for entry in kept:
+            heapq.heappush(heap, entry)
         if out.blocks:
             self.evicted(tree, out)
         return out

@@ -11,11 +11,14 @@ The tree keeps the accounting of both tiers up to date in every primitive: GPU t
 `cpu_protected_tokens`, always 0 in a GPU-only cache); a node counts as locked while
 `lock_ref > 0` (locks are held on whole root paths).
 Recency is a logical clock bumped once per access: all nodes stamped with one value lie on one
-root path, so two leaves never share a stamp.
+root path, so two leaves never share a stamp. Once a policy asks for it (`recency_heap`), the tree
+keeps a heap of its leaves by stamp up to date, so least-recently-used eviction finds its victims
+without scanning every leaf.
 """
 from __future__ import annotations
 
 import enum
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -200,6 +203,10 @@ class RadixTree:
         # Blocks of every node in any state: `on_gpu` compares them with the GPU tokens.
         self.n_blocks = 0
         self.leaves: set[Node] = set()
+        # (last_access, id, node) of every leaf with its current stamp, and stale entries (nodes
+        # that died, gained a child or were stamped again since), which readers skip; None until
+        # `recency_heap` is first asked for.
+        self._recency: list | None = None
         self._next_id = 1
 
     def set_loops(self, loops) -> None:
@@ -231,8 +238,12 @@ class RadixTree:
 
         Read-only. Returns the nodes of the path and the number of blocks matched in the last one
         (it may be less than that node's length; every earlier node matches fully)."""
-        # One copy of the walked tokens as bytes, compared in place node by node.
-        return self.loops.walk(self.root, tokens[:n_blocks * self.block_size].tobytes(), self._block_bytes)
+        raw = tokens[:n_blocks * self.block_size]
+        if self.loops is path_loops.PYTHON:
+            # One copy of the walked tokens as bytes, compared in place node by node (the compiled
+            # walk reads the array's memory itself).
+            raw = raw.tobytes()
+        return self.loops.walk(self.root, raw, self._block_bytes)
 
     def commit(self, path: list[Node], last_blocks: int) -> list[Node]:
         """Split the path's last node where the walk stopped, so the path covers whole nodes."""
@@ -243,6 +254,29 @@ class RadixTree:
     def touch(self, path: list[Node]) -> None:
         self.clock += 1
         self.loops.stamp(path, self.clock)
+        # Only the path's last node can be a leaf: every other one has the next as a child.
+        if self._recency is not None and path and not path[-1].children:
+            self._note_leaf(path[-1], compact=True)
+
+    def recency_heap(self) -> list:
+        """A heap of (last_access, id, node) holding every leaf with its current stamp, kept up to
+        date from now on; it also holds stale entries, which the caller must skip: an entry is
+        current while its node is alive, childless and still carries that stamp. The caller may
+        pop entries and must push back those of current leaves it did not evict."""
+        if self._recency is None:
+            self._recency = [(leaf.last_access, leaf.id, leaf) for leaf in self.leaves]
+            heapq.heapify(self._recency)
+        return self._recency
+
+    def _note_leaf(self, node: Node, compact: bool = False) -> None:
+        """`node` is a leaf with a new stamp, or became a leaf: it joins the recency heap. With
+        `compact` (never during an eviction, which holds the heap), a heap grown to mostly stale
+        entries is dropped, to be rebuilt from the leaves when next asked for."""
+        heap = self._recency
+        if compact and len(heap) > 2 * len(self.leaves) + 64:
+            self._recency = None
+            return
+        heapq.heappush(heap, (node.last_access, node.id, node))
 
     def split(self, node: Node, k: int) -> Node:
         """Cut `node` after its first k blocks; the new upper node is returned, `node` keeps the
@@ -272,6 +306,8 @@ class RadixTree:
         self.leaves.discard(parent)
         parent.children[node.key[:self._block_bytes]] = node
         self.leaves.add(node)
+        if self._recency is not None:
+            self._note_leaf(node, compact=True)
         self.n_nodes += 1
         self.n_blocks += k
         self._count(node, node.n_gpu * self.block_size)
@@ -378,6 +414,8 @@ class RadixTree:
         del parent.children[node.key[:self._block_bytes]]
         if not parent.children and parent is not self.root:
             self.leaves.add(parent)
+            if self._recency is not None:
+                self._note_leaf(parent)
         self.leaves.discard(node)
         node.alive = False
         node.parent = None
@@ -462,6 +500,10 @@ class RadixTree:
         _require(count == self.n_nodes and all(leaf.alive for leaf in self.leaves), "node count", None)
         _require(blocks == self.n_blocks, f"block count: counted {blocks}, kept {self.n_blocks}", None)
         _require(len(set(leaf_stamps)) == len(leaf_stamps), "two leaves share a recency stamp", None)
+        if self._recency is not None:
+            entries = {(node.id, stamp) for stamp, _, node in self._recency}
+            _require(all((leaf.id, leaf.last_access) in entries for leaf in self.leaves),
+                     "a leaf is missing from the recency heap", None)
         _require((evictable, protected) == (self.evictable_tokens, self.protected_tokens),
                  f"accounting: counted evictable {evictable}, protected {protected}, "
                  f"kept {self.evictable_tokens}, {self.protected_tokens}", None)

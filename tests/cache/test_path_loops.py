@@ -92,6 +92,9 @@ def test_compiled_walks_find_what_the_python_walk_finds(block_size, policy):
         want_path, want_last = path_loops.PYTHON.walk(tree.root, raw, tree._block_bytes)
         got_path, got_last = COMPILED.walk(tree.root, raw, tree._block_bytes)
         assert [n.id for n in got_path] == [n.id for n in want_path] and got_last == want_last
+        # The tree hands the compiled walk the token array itself, read in place.
+        got_path, got_last = tree.walk(np.ascontiguousarray(probe), n_blocks)
+        assert [n.id for n in got_path] == [n.id for n in want_path] and got_last == want_last
 
 
 def test_the_python_walk_stops_at_the_block_of_the_first_differing_token():
