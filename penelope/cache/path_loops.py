@@ -18,8 +18,9 @@ import numpy as np
 
 def walk(root, raw: bytes, block_bytes: int) -> tuple[list, int]:
     """Follow `raw` (whole blocks of int64 tokens, as bytes; the compiled walk also takes a
-    C-contiguous int64 array, read in place) down from `root` through nodes of any state. Returns the nodes of the path and the number of blocks matched in the last one (it may
-    be less than that node's length; every earlier node matches fully)."""
+    C-contiguous int64 array, read in place) down from `root` through nodes of any state.
+    Returns the nodes of the path and the number of blocks matched in the last one (it may be
+    less than that node's length; every earlier node matches fully)."""
     # Children are found by their first block's bytes, and a whole node matches when `raw`
     # continues with its key (`startswith` at an offset compares in place, without slicing).
     end = len(raw)
