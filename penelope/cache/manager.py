@@ -220,18 +220,19 @@ class KVCache:
         path = tree.commit(*tree.walk(tokens, n_blocks))
         tree.touch(path)
         self.policy.matched(tree, path)
-        spans = self._spans(path, slots)
         matched = path[-1].end if path else 0
-        if len(spans) == 1 and spans[0].state == BlockState.GPU:
+        if path and tree.path_on_gpu(path):
             # The common case, one resident span: no holes, nothing on the CPU tier.
+            spans = [Span(0, matched, BlockState.GPU, tree.path_slots(path) if slots else EMPTY_SLOTS)]
             compute_from, holes, loads, hit = matched, [], [], matched
         else:
+            spans = self._spans(path, slots)
             resident = [s for s in spans if s.state != BlockState.MISSING]
             compute_from = resident[-1].end if resident else 0
             holes = [(s.start, s.end) for s in spans if s.state == BlockState.MISSING and s.end <= compute_from]
             loads = [s for s in spans if s.state == BlockState.CPU]
             hit = sum(len(s) for s in resident)
-        seen = self._seen_until(tokens, path, matched, n_blocks)
+        seen = self._seen_until(tokens, path, matched, n_blocks) if self._track else matched
         recomputed = holes + [(compute_from, seen)] if seen > compute_from else list(holes)
         return MatchResult(spans, holes, loads, compute_from, path[-1] if path else tree.root, len(tokens), matched,
                            hit, recomputed, tree.epoch, self)
@@ -597,11 +598,7 @@ class KVCache:
 
     def _spans(self, path: list[Node], with_slots: bool = True) -> list[Span]:
         """Merge the per-block states of the path into maximal runs of one state (without their
-        slots unless `with_slots`)."""
-        if path and self.tree.path_on_gpu(path):
-            # The common case, a path wholly on the GPU: one span, no per-run bookkeeping.
-            slots = self.tree.path_slots(path) if with_slots else EMPTY_SLOTS
-            return [Span(0, path[-1].end, BlockState.GPU, slots)]
+        slots unless `with_slots`); `match` handles a path wholly on the GPU itself."""
         bs = self.block_size
         runs: list[list] = []  # [state, start, end, slot arrays]
         for node in path:
