@@ -79,7 +79,7 @@ class SGLangSlots:
             # Not whole pages: the checks slot by slot name the first bad slot, as for whole pages.
             self._check_slots(slots)
             raise UsageError(f"penelope: slots must fill whole pages of {self.page_size} (one page's slots in order)")
-        pages = np.ascontiguousarray(pages)
+        pages = np.ascontiguousarray(pages, dtype=np.int64)
         listed = self._free_list() if self.check_free_list else None
         # Every check in one pass over the pages (compiled where the install built the loops);
         # the message is worked out only when one fails.

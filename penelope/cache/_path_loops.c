@@ -193,9 +193,9 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     char *out_data;
     Py_ssize_t room, pos = 0;
     if (int_array(out_obj, 8, 0, 1, "out", &out_data, &room) < 0) return NULL;
-    int64_t *dest = (int64_t *)out_data;
-    /* The size is read again at every step: reading an attribute may run code that changes the
-     * list; each node is held while it is read. */
+    Py_INCREF(out_obj);
+    /* The list's size and `out` are read again at every step: reading an attribute may run code
+     * that changes the list or resizes `out`; each node is held while it is read. */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
         PyObject *node = PyList_GET_ITEM(path, i);
         Py_INCREF(node);
@@ -203,26 +203,33 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         Py_DECREF(node);
         char *src_data;
         Py_ssize_t n;
-        if (slots == NULL) return NULL;
-        if (int_array(slots, 4, 0, 0, "a node's slots", &src_data, &n) < 0) {
+        if (slots == NULL) goto fail;
+        if (int_array(slots, 4, 0, 0, "a node's slots", &src_data, &n) < 0 ||
+            int_array(out_obj, 8, 0, 1, "out", &out_data, &room) < 0) {
             Py_DECREF(slots);
-            return NULL;
+            goto fail;
         }
+        int64_t *dest = (int64_t *)out_data;
         if (n > room - pos) {
             Py_DECREF(slots);
             PyErr_SetString(PyExc_ValueError, "out is shorter than the path's slots");
-            return NULL;
+            goto fail;
         }
         const int32_t *src = (const int32_t *)src_data;
         for (Py_ssize_t j = 0; j < n; j++) dest[pos + j] = src[j];
         pos += n;
         Py_DECREF(slots);
     }
+    if (int_array(out_obj, 8, 0, 1, "out", &out_data, &room) < 0) goto fail;
     if (pos != room) {
         PyErr_SetString(PyExc_ValueError, "out is longer than the path's slots");
-        return NULL;
+        goto fail;
     }
+    Py_DECREF(out_obj);
     Py_RETURN_NONE;
+fail:
+    Py_DECREF(out_obj);
+    return NULL;
 }
 
 /* prefix_hashes(base, tokens, mix, radix, out): out[i] = H_i for the blocks of `tokens` (int64,

@@ -11,6 +11,7 @@ package's install where a C compiler is found. `RadixTree` takes the compiled on
 from __future__ import annotations
 
 import importlib
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -124,6 +125,7 @@ def page_problem(pages: np.ndarray, end: int, held: np.ndarray, listed: np.ndarr
     return 0
 
 
+_FUNCTIONS = ("walk", "lock_path", "stamp", "gather", "prefix_hashes", "page_problem")
 PYTHON = SimpleNamespace(name="python", walk=walk, lock_path=lock_path, stamp=stamp, gather=gather,
                          prefix_hashes=prefix_hashes, page_problem=page_problem)
 
@@ -135,9 +137,16 @@ def compiled() -> SimpleNamespace | None:
         module = importlib.import_module("penelope.cache._path_loops")
     except ImportError:
         return None
-    return SimpleNamespace(name="compiled", walk=module.walk, lock_path=module.lock_path, stamp=module.stamp,
-                           gather=module.gather, prefix_hashes=module.prefix_hashes,
-                           page_problem=module.page_problem, source_sha256=module.SOURCE_SHA256)
+    missing = [name for name in _FUNCTIONS if not hasattr(module, name)]
+    if missing:
+        # Built from an older source (an install not rerun after an update): its loops would not
+        # match this code. The Python ones run instead; the install rebuilds it.
+        warnings.warn(f"penelope: the compiled cache loops are stale (no {', '.join(missing)}): running the "
+                      "Python ones; rerun the install (scripts/install.sh) to rebuild them", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    return SimpleNamespace(name="compiled", **{name: getattr(module, name) for name in _FUNCTIONS},
+                           source_sha256=module.SOURCE_SHA256)
 
 
 def best() -> SimpleNamespace:

@@ -210,10 +210,12 @@ class RadixTree:
         self._next_id = 1
 
     def set_loops(self, loops) -> None:
-        """Run the inner loops of `loops` (`path_loops.PYTHON` or `path_loops.compiled()`); the
-        prefix hashes use numpy's vectorized form with the Python loops."""
+        """Run the inner loops of `loops` (`path_loops.PYTHON` or `path_loops.compiled()`, told
+        apart by their `name`); the prefix hashes use numpy's vectorized form with the Python
+        loops. Set the loops only here."""
         self.loops = loops
-        self.hasher._compiled = None if loops is path_loops.PYTHON else loops.prefix_hashes
+        self._python_loops = loops.name == "python"
+        self.hasher._compiled = None if self._python_loops else loops.prefix_hashes
 
     def on_gpu(self) -> bool:
         """Whether every block of the tree is on the GPU (no hole, nothing on the CPU tier): then
@@ -227,9 +229,11 @@ class RadixTree:
 
     def path_slots(self, path: list[Node]) -> np.ndarray:
         """The slots of `path`'s nodes one after the other (int64; NO_SLOT at MISSING blocks)."""
-        if self.loops is path_loops.PYTHON:
+        if not path:
+            return np.empty(0, dtype=np.int64)
+        if self._python_loops:
             return np.concatenate([node.slots for node in path], dtype=np.int64)
-        out = np.empty(path[-1].end - path[0].start if path else 0, dtype=np.int64)
+        out = np.empty(path[-1].end - path[0].start, dtype=np.int64)
         self.loops.gather(path, out)
         return out
 
@@ -239,11 +243,15 @@ class RadixTree:
         Read-only. Returns the nodes of the path and the number of blocks matched in the last one
         (it may be less than that node's length; every earlier node matches fully)."""
         raw = tokens[:n_blocks * self.block_size]
-        if self.loops is path_loops.PYTHON:
+        if self._python_loops:
             # One copy of the walked tokens as bytes, compared in place node by node (the compiled
             # walk reads the array's memory itself).
-            raw = raw.tobytes()
-        return self.loops.walk(self.root, raw, self._block_bytes)
+            return self.loops.walk(self.root, raw.tobytes(), self._block_bytes)
+        try:
+            return self.loops.walk(self.root, raw, self._block_bytes)
+        except (BufferError, ValueError):
+            # A strided array: the compiled walk reads contiguous memory only.
+            return self.loops.walk(self.root, np.ascontiguousarray(raw), self._block_bytes)
 
     def commit(self, path: list[Node], last_blocks: int) -> list[Node]:
         """Split the path's last node where the walk stopped, so the path covers whole nodes."""
@@ -374,6 +382,8 @@ class RadixTree:
         blocks, or is removed when `cut` is 0."""
         bs, t = self.block_size, cut * self.block_size
         freed = node.n_blocks - cut
+        if freed == 0:
+            return
         out.gpu_slots.append(node.slots[t:].copy())
         out.hashes.append(node.hashes[cut:])
         out.ranges.append((node.start + t, node.end))

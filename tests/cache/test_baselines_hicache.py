@@ -114,3 +114,13 @@ def test_policy_name_is_the_sglang_baseline():
 def test_random_workloads_keep_every_block_and_host_copy_intact(workload):
     h = run_workload(*workload, make_cache=lambda gpu, cpu, bs: HiCacheLikeCache(gpu, cpu, block_size=bs))
     assert h.cache.counters.loaded_tokens >= 0
+
+
+def test_insert_of_a_strided_token_array_backs_up_its_path():
+    cache = HiCacheLikeCache(64, 64, block_size=4)
+    tokens = np.arange(64, dtype=np.int64)[::2]
+    handle = cache.lock(cache.match(tokens))
+    cache.insert(tokens, cache.alloc(32))
+    cache.unlock(handle)
+    assert len(cache.tree.backup) == 1
+    cache.check_invariants()

@@ -6,6 +6,7 @@ import hashlib
 import random
 import signal
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -339,3 +340,40 @@ def test_compiled_page_checks_refuse_scratch_that_does_not_cover_the_pool():
     # Listed ids outside the scratch (another allocator's bookkeeping) cannot match a page.
     listed = np.array([-1, 10_000], dtype=np.int64)
     assert COMPILED.page_problem(pages, 10, np.zeros(10, bool), listed, np.zeros(10, np.uint8)) == 0
+
+
+def test_the_tree_walks_strided_token_arrays():
+    """The compiled walk reads contiguous memory: the tree hands it a contiguous copy of a strided
+    array, with the same result."""
+    tree = grown_cache(4, "sglang", seed=9).tree
+    node = max(tree.nodes(), key=lambda n: n.end)
+    full = np.concatenate([n.tokens for n in tree.path_to_root(node)])
+    strided = np.repeat(full, 2)[::2]
+    assert not strided.flags.c_contiguous
+    path, last = tree.walk(strided, len(full) // 4)
+    assert path[-1] is node and last == node.n_blocks
+
+
+def test_a_stale_build_falls_back_to_the_python_loops_with_a_warning(monkeypatch):
+    """An extension built from an older source lacks some loops: the Python ones run, and the
+    warning says to rerun the install."""
+    stale = types.SimpleNamespace(walk=COMPILED.walk, lock_path=COMPILED.lock_path, stamp=COMPILED.stamp,
+                                  SOURCE_SHA256="0" * 64)
+    monkeypatch.setattr(path_loops.importlib, "import_module", lambda name: stale)
+    with pytest.warns(RuntimeWarning, match="stale .*gather, prefix_hashes, page_problem.*install"):
+        assert path_loops.compiled() is None
+    with pytest.warns(RuntimeWarning):
+        assert RadixTree(4).loops.name == "python"
+
+
+def test_a_gather_whose_node_resizes_out_raises_instead_of_writing_freed_memory():
+    out = np.zeros(1 << 16, dtype=np.int64)
+
+    class Resizing:
+        @property
+        def slots(self):
+            out.resize(0, refcheck=False)
+            return np.arange(1 << 16, dtype=np.int32)
+
+    with pytest.raises(ValueError, match="shorter"):
+        COMPILED.gather([Resizing()], out)

@@ -561,3 +561,17 @@ def test_a_flush_empties_the_cache_and_keeps_its_counters(cpu_cache):
     two_sessions(serving)
     assert serving.cache.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 64
     assert serving.cache.stats()[moved] == 128 + 64
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_slot_checks_read_slot_arrays_of_any_integer_type(page):
+    """SGLang's slots arrive as int64; other integer arrays get the same checks and messages."""
+    import numpy as np
+
+    serving = Serving(size=64 * 8, page_size=page)
+    slots = serving.cache.slots
+    taken = serving.allocator.alloc(2 * max(page, 4)).numpy()
+    for dtype in (np.int32, np.int64, np.uint32):
+        slots.check_outstanding(taken.astype(dtype))
+        with pytest.raises(UsageError, match="passed twice"):
+            slots.check_outstanding(np.concatenate([taken, taken[:page]]).astype(dtype))
