@@ -84,7 +84,8 @@ def gather(path: list, out: np.ndarray) -> None:
         raise ValueError("out is longer than the path's slots")
 
 
-_MASK64 = (1 << 64) - 1
+# Prefix hashes are computed modulo 2**64.
+MASK64 = (1 << 64) - 1
 
 
 def prefix_hashes(base: int, tokens: np.ndarray, mix: np.ndarray, radix: int, out: np.ndarray) -> None:
@@ -97,8 +98,8 @@ def prefix_hashes(base: int, tokens: np.ndarray, mix: np.ndarray, radix: int, ou
     weights = [int(m) for m in mix]
     values = tokens.tolist()
     for i in range(k):
-        digest = sum((values[i * bs + j] & _MASK64) * weights[j] for j in range(bs)) & _MASK64
-        base = (base * radix + digest + 1) & _MASK64
+        digest = sum((values[i * bs + j] & MASK64) * weights[j] for j in range(bs)) & MASK64
+        base = (base * radix + digest + 1) & MASK64
         out[i] = base
 
 

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from penelope.cache import path_loops
+from penelope.cache.path_loops import MASK64 as _MASK64
 from penelope.errors import InvariantError
 
 NO_SLOT = -1
 # Slots are stored as int32 (4 bytes per cached token; pools stay below 2**31 rows) and handed
 # out as int64.
 SLOT_DTYPE = np.int32
-_MASK64 = (1 << 64) - 1
 # Runs of at most this many blocks are hashed on Python ints (`PrefixHasher.extend`).
 _SHORT_RUN = 16
 _ONE = np.uint64(1)
@@ -397,10 +397,7 @@ class RadixTree:
             node.slots[:] = NO_SLOT
             self.remove(node)
             return
-        self.n_blocks -= freed
-        node.key, node.slots = node.key[:t * 8], node.slots[:t].copy()
-        node.state, node.hashes = node.state[:cut].copy(), node.hashes[:cut].copy()
-        node.n_blocks, node.end = cut, node.start + t
+        self._truncate(node, cut)
 
     def prune(self, node: Node) -> Node | None:
         """Remove an unlocked childless node that holds no resident block (nothing after its
