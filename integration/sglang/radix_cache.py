@@ -268,22 +268,23 @@ class PenelopeRadixCache(BasePrefixCache):
             return
         source = req.full_untruncated_fill_ids
         tokens = key_tokens(source, n, namespace)
-        before = self.cache.match(tokens)
-        slots = np.empty(n, dtype=np.int64)
+        # Where the tree holds the tokens; no slots: the protected part keeps the tree's own
+        # (`tree_prefix`), the rest is read from the request's row.
+        before = self.cache.match(tokens, slots=False)
         for span in before.spans:
             if span.start >= protected:
                 break
             if span.state != BlockState.GPU:
                 raise InvariantError(f"penelope: {req.rid} owns no KV at [{span.start}, {span.end}) "
                                      f"below its protected length {protected}")
-            end = min(span.end, protected)
-            slots[span.start:end] = span.slots[:end - span.start]
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        slots[protected:] = row[protected:n].to("cpu", torch.int64).numpy()
         covered = before.spans[-1].end if before.spans else 0
         if covered < protected:
             raise InvariantError(f"penelope: {req.rid} has {protected} tokens protected but the tree holds {covered}")
-        inserted = self._insert(tokens, slots, before)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        slots = np.empty(n, dtype=np.int64)
+        new = row[protected:n]
+        slots[protected:] = new.numpy() if new.device.type == "cpu" else new.to("cpu", torch.int64).numpy()
+        inserted = self._insert(tokens, slots, before, tree_prefix=protected)
         self.chunk_refill_tokens += inserted.refilled
         freed = inserted.freed
         self.duplicate_tokens += freed

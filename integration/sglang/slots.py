@@ -169,13 +169,9 @@ class SGLangSlots:
         page = self.page_size
         if page == 1:
             return slots
-        if len(slots) % page:
-            return None
-        rows = slots.reshape(-1, page)
-        first = rows[:, 0]
-        if np.count_nonzero(first % page) or np.count_nonzero(rows != first[:, None] + self._offsets):
-            return None
-        return first // page
+        # One compiled pass where the install built the loops (one numpy call per step otherwise).
+        pages = np.empty(len(slots) // page, dtype=np.int64)
+        return pages if self._loops.whole_pages(np.ascontiguousarray(slots, dtype=np.int64), page, pages) else None
 
     def _page_ids(self, slots: np.ndarray) -> np.ndarray:
         """Page ids of slots known to be whole pages in order."""

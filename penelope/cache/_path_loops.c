@@ -1,9 +1,9 @@
 /* The radix tree's per-node loops, compiled: the walk down a root path, the lock count along a
  * root path, the recency stamp of a path, the gather of a path's slots, the prefix hashes of a
- * run of blocks, and the checks of the pages a tree takes. Each does exactly what its
- * Python version in path_loops.py does (the reference; tests run both on the same trees), on the
- * same `Node` objects through their attributes and on numpy arrays through the buffer protocol,
- * without interpreting a bytecode per node, block or page.
+ * run of blocks, and the checks of the slots a tree takes (whole pages, then the pages). Each
+ * does exactly what its Python version in path_loops.py does (the reference; tests run both on
+ * the same trees), on the same `Node` objects through their attributes and on numpy arrays
+ * through the buffer protocol, without interpreting a bytecode per node, block or page.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -302,6 +302,40 @@ static PyObject *page_problem(PyObject *self, PyObject *args) {
     return PyLong_FromLong(problem);
 }
 
+/* whole_pages(slots, page, out) -> bool: whether int64 `slots` are whole pages of `page` slots in
+ * order, writing the page ids to `out` if so; as path_loops.whole_pages. Differences are taken on
+ * unsigned integers, which wrap as numpy's int64 arithmetic does. */
+static PyObject *whole_pages(PyObject *self, PyObject *args) {
+    PyObject *slots_obj, *out_obj;
+    Py_ssize_t page;
+    if (!PyArg_ParseTuple(args, "OnO", &slots_obj, &page, &out_obj)) return NULL;
+    char *s_data, *o_data;
+    Py_ssize_t n, m;
+    if (int_array(slots_obj, 8, 0, 0, "slots", &s_data, &n) < 0 || int_array(out_obj, 8, 0, 1, "out", &o_data, &m) < 0)
+        return NULL;
+    if (page <= 0) {
+        PyErr_SetString(PyExc_ValueError, "page must be positive");
+        return NULL;
+    }
+    if (n % page) Py_RETURN_FALSE;
+    if (m != n / page) {
+        PyErr_SetString(PyExc_ValueError, "out must hold one page id per page");
+        return NULL;
+    }
+    const int64_t *s = (const int64_t *)s_data;
+    int64_t *o = (int64_t *)o_data;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t *row = s + i * page;
+        int64_t first = row[0];
+        if (first % page) Py_RETURN_FALSE;
+        for (Py_ssize_t j = 1; j < page; j++)
+            if ((uint64_t)row[j] - (uint64_t)first != (uint64_t)j) Py_RETURN_FALSE;
+        /* Exact: `first` is a multiple of `page`. */
+        o[i] = first / page;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"walk", walk, METH_VARARGS, "walk(root, raw, block_bytes) -> (path, last_blocks)"},
     {"lock_path", lock_path, METH_VARARGS, "lock_path(node, root, delta) -> (gpu_blocks, resident_blocks)"},
@@ -309,6 +343,7 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(path, out)"},
     {"prefix_hashes", prefix_hashes, METH_VARARGS, "prefix_hashes(base, tokens, mix, radix, out)"},
     {"page_problem", page_problem, METH_VARARGS, "page_problem(pages, end, held, listed, scratch) -> 0..4"},
+    {"whole_pages", whole_pages, METH_VARARGS, "whole_pages(slots, page, out) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -126,9 +126,29 @@ def page_problem(pages: np.ndarray, end: int, held: np.ndarray, listed: np.ndarr
     return 0
 
 
-_FUNCTIONS = ("walk", "lock_path", "stamp", "gather", "prefix_hashes", "page_problem")
+def whole_pages(slots: np.ndarray, page: int, out: np.ndarray) -> bool:
+    """Whether int64 `slots` are whole pages of `page` slots, each page's slots in order (a
+    multiple of `page`, then the slots after it); if so `out` (int64, one per page) receives the
+    page ids (a page's first slot // `page`). False, `out` unspecified, otherwise (a length that is
+    not a multiple of `page` included)."""
+    if page <= 0:
+        raise ValueError("page must be positive")
+    if len(slots) % page:
+        return False
+    if len(out) != len(slots) // page:
+        raise ValueError("out must hold one page id per page")
+    rows = slots.reshape(-1, page)
+    first = rows[:, 0]
+    offsets = np.arange(page, dtype=np.int64)
+    if np.count_nonzero(first % page) or np.count_nonzero(rows != first[:, None] + offsets):
+        return False
+    out[:] = first // page
+    return True
+
+
+_FUNCTIONS = ("walk", "lock_path", "stamp", "gather", "prefix_hashes", "page_problem", "whole_pages")
 PYTHON = SimpleNamespace(name="python", walk=walk, lock_path=lock_path, stamp=stamp, gather=gather,
-                         prefix_hashes=prefix_hashes, page_problem=page_problem)
+                         prefix_hashes=prefix_hashes, page_problem=page_problem, whole_pages=whole_pages)
 
 
 def compiled() -> SimpleNamespace | None:

@@ -342,6 +342,76 @@ def test_compiled_page_checks_refuse_scratch_that_does_not_cover_the_pool():
     assert COMPILED.page_problem(pages, 10, np.zeros(10, bool), listed, np.zeros(10, np.uint8)) == 0
 
 
+def obvious_whole_pages(slots, page: int):
+    """The page ids of `slots` if they are whole pages in order, else None: slot by slot, on
+    Python ints."""
+    values = [int(v) for v in slots]
+    if len(values) % page:
+        return None
+    pages = []
+    for start in range(0, len(values), page):
+        first = values[start]
+        if first % page or values[start:start + page] != list(range(first, first + page)):
+            return None
+        pages.append(first // page)
+    return pages
+
+
+def planted_slots(rng, page: int, flaw: str) -> np.ndarray:
+    """Whole pages of `page` slots in order, then `flaw`: none, a swapped pair, the last page
+    shifted off a multiple of `page`, a slot short, or the last slot one page up (at page 1 every
+    array is whole pages)."""
+    pages = rng.permutation(np.arange(-3, 200))[:rng.integers(1, 12)].astype(np.int64)
+    slots = (pages[:, None] * page + np.arange(page)).ravel()
+    if flaw == "swapped" and page > 1:
+        i = rng.integers(0, len(slots) - 1)
+        j = i + 1 if (i + 1) % page else i - 1
+        slots[[i, j]] = slots[[j, i]]
+    elif flaw == "shifted":
+        slots[-page:] += rng.integers(1, page + 1)
+    elif flaw == "short":
+        slots = slots[:-1]
+    elif flaw == "torn":
+        slots[-1] += page
+    return slots
+
+
+@pytest.mark.parametrize("page", [1, 2, 16, 64])
+def test_compiled_whole_page_checks_find_what_slot_by_slot_reading_finds(page):
+    rng = np.random.default_rng(page)
+    seen = set()
+    for trial in range(300):
+        flaw = ["none", "swapped", "shifted", "short", "torn"][trial % 5]
+        slots = planted_slots(rng, page, flaw)
+        want = obvious_whole_pages(slots, page)
+        seen.add(want is None)
+        for loops in (path_loops.PYTHON, COMPILED):
+            out = np.full(len(slots) // page, -99, dtype=np.int64)
+            got = loops.whole_pages(slots, page, out)
+            assert got == (want is not None), (loops.name, flaw, slots)
+            if got:
+                assert out.tolist() == want
+    assert seen == ({True, False} if page > 1 else {False})
+
+
+def test_compiled_whole_page_checks_wrap_as_numpy_does_and_refuse_bad_arguments():
+    page = 4
+    top = np.iinfo(np.int64).max // page * page
+    near_top = np.array([top, top + 1, top + 2, top + 3], dtype=np.int64)
+    for loops in (path_loops.PYTHON, COMPILED):
+        out = np.zeros(1, dtype=np.int64)
+        assert loops.whole_pages(near_top, page, out) and out[0] == top // page
+        assert not loops.whole_pages(np.array([1, 2, 3, 4], dtype=np.int64), page, out)
+        with pytest.raises(ValueError, match="positive"):
+            loops.whole_pages(near_top, 0, out)
+        with pytest.raises(ValueError, match="one page id per page"):
+            loops.whole_pages(near_top, page, np.zeros(2, dtype=np.int64))
+    with pytest.raises(TypeError):
+        COMPILED.whole_pages(near_top.astype(np.int32), page, np.zeros(1, dtype=np.int64))
+    with pytest.raises(TypeError):
+        COMPILED.whole_pages(near_top, page, np.zeros(1, dtype=np.int32))
+
+
 def test_the_tree_walks_strided_token_arrays():
     """The compiled walk reads contiguous memory: the tree hands it a contiguous copy of a strided
     array, with the same result."""
