@@ -258,6 +258,9 @@ def run_traffic(model: str, traffic: AgentTraffic | ScriptTraffic, setup: Engine
         # CPU seconds the scheduler process spent serving: unlike wall time, not stretched by
         # other work on a shared machine.
         counters["serve_cpu_s"] = counters["process_cpu_s"] - idle["process_cpu_s"]
+        # The part spent inside the radix cache (with PENELOPE_TIME_CACHE=1, ``cache_timer``).
+        counters["serve_cache_cpu_s"] = counters["cache_cpu_s"] - idle["cache_cpu_s"]
+        counters["serve_cache_calls"] = counters["cache_calls"] - idle["cache_calls"]
     return {"setup": asdict(setup), "traffic": asdict(traffic), "start_s": ready - started, "serve_s": served - ready,
             "requests": sorted(out, key=lambda r: r["rid"]), "counters": counters}
 

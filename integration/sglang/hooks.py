@@ -49,6 +49,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult
 
 from penelope.cache.phantom import segment_rows
 
+from . import cache_timer
 from .patching import applied, register_around
 from .radix_cache import PenelopeRadixCache
 
@@ -340,9 +341,10 @@ def _report_counters(original, controller, recv_req):
         scheduler = getattr(controller, "scheduler", None)
         cache = getattr(scheduler, "tree_cache", None)
         chunked = getattr(scheduler, "chunked_req", None)
-        state["penelope"] = {**COUNTERS, "process_cpu_s": time.process_time(),
-                             "chunked_rid": chunked.rid if chunked is not None else None,
-                             **(cache.stats() if isinstance(cache, PenelopeRadixCache) else {})}
+        stats = cache.stats() if isinstance(cache, PenelopeRadixCache) else {}
+        # After the cache's own (timed) call, so that the timer's readings include it.
+        state["penelope"] = {**COUNTERS, **cache_timer.snapshot(), "process_cpu_s": time.process_time(),
+                             "chunked_rid": chunked.rid if chunked is not None else None, **stats}
     return out
 
 

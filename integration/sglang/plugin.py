@@ -25,7 +25,8 @@ _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group: registers the ``penelope`` radix-cache
-    backend, the scheduler hooks, the start-up check of Penelope's options, the prefix-aware CPU
+    backend, the scheduler hooks (and, with ``PENELOPE_TIME_CACHE=1``, the timing of the
+    scheduler's cache, ``cache_timer``), the start-up check of Penelope's options, the prefix-aware CPU
     attention backend ``torch_native_prefix`` (``cpu_attention``) and, unless
     ``PENELOPE_ATTENTION=sglang``, the Triton attention backend subclass that runs phantom batches
     through Penelope's ragged kernel. Never raises: SGLang would log the error and start without
@@ -33,12 +34,13 @@ def register() -> None:
     Safe to call more than once in a process."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from . import clock, cpu_attention, hooks
+    from . import cache_timer, clock, cpu_attention, hooks
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, create_penelope_cache)
     hooks.register_hooks()
     clock.register_hooks()
+    cache_timer.register_hooks()
     register_around({_SERVER_ARGS_CHECK: _check_server_args})
     cpu_attention.register()
     try:

@@ -264,9 +264,22 @@ def test_without_chunked_prefill(model, reference):
 
 def test_page_size_one(model, reference):
     """Page size 1: blocks of one token, as SGLang's own cache keeps every token."""
-    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, page_size=1, chunk=128), engine_env())
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, page_size=1, chunk=128),
+                     engine_env(PENELOPE_TIME_CACHE="1"))
     counters = check_against(run, reference)
     assert counters["block_size"] == 1 and counters["evicted_tokens"] > 0
+    check_cache_timer(counters, {"match_prefix", "checkpoint", "evict_for_alloc"})
+    assert reference["counters"]["cache_calls"] == 0  # untimed without PENELOPE_TIME_CACHE
+
+
+def check_cache_timer(counters: dict, expected_methods: set) -> None:
+    """The scheduler's calls into its cache were timed (``cache_timer``), serving unchanged."""
+    methods = counters["cache_methods"]
+    assert expected_methods <= set(methods), sorted(methods)
+    assert counters["cache_calls"] == sum(calls for calls, _ in methods.values())
+    assert 0 < counters["serve_cache_calls"] <= counters["cache_calls"]
+    assert 0 < counters["serve_cache_cpu_s"] < counters["serve_cpu_s"]
+    assert 0 < counters["cache_timer_floor_s"] < 1e-4
 
 
 def test_retraction(model):
@@ -284,10 +297,12 @@ def test_retraction(model):
 def test_default_cache_on_the_same_traffic(model, reference):
     """SGLang's default radix cache on the small pool, through the same harness: its outputs match
     too, and both caches' recomputed prefill tokens are counted the same way."""
-    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=128, cache="default"), engine_env())
+    run = run_engine(model, TRAFFIC, EngineSetup(pool_tokens=2048, chunk=128, cache="default"),
+                     engine_env(PENELOPE_TIME_CACHE="1"))
     counters = check_against(run, reference)
     assert counters["prefill_tokens"] > reference["counters"]["prefill_tokens"]
     assert "evicted_tokens" not in counters
+    check_cache_timer(counters, {"match_prefix", "checkpoint", "evict_for_alloc"})
 
 
 def test_rows_taken_by_phantoms_make_a_request_wait(model):
