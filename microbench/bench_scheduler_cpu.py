@@ -17,7 +17,7 @@ whole share, so each run also times the cache itself (``PENELOPE_TIME_CACHE=1``,
 less the timer's own cost per call. Figures: ``<cache>_cache_cpu_s_per_request`` (median of the
 rounds), ``cache_ratio_penelope_vs_rust`` (>= 1.0: Penelope's cache at most the Rust core's time),
 ``cache_python_core_vs_rust``, and per run the calls and seconds of every method. 18 Engine runs,
-about 12 minutes on the 2-core development machine.
+about 8 minutes on the 2-core development machine.
 
 Run: ``python -m pytest microbench/bench_scheduler_cpu.py --benchmark-json out.json -s``.
 """
