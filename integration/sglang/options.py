@@ -186,9 +186,16 @@ def _parse_env(name: str, variable: str, text: str):
                              f"{len(text.lstrip('-'))} digits")
         return int(text)
     if name == "phantoms":
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise UsageError(f"penelope: {variable} must be 1/0 or true/false, got {text!r}")
+        return yes_or_no(text, variable)
     return text
+
+
+def yes_or_no(text: str, variable: str) -> bool:
+    """`text` as a switch: 1/true/yes/on or 0/false/no/off, in any case, spaces around ignored;
+    UsageError naming `variable` otherwise."""
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise UsageError(f"penelope: {variable} must be 1/0 or true/false, got {text!r}")

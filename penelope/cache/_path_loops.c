@@ -303,8 +303,8 @@ static PyObject *page_problem(PyObject *self, PyObject *args) {
 }
 
 /* whole_pages(slots, page, out) -> bool: whether int64 `slots` are whole pages of `page` slots in
- * order, writing the page ids to `out` if so; as path_loops.whole_pages. Differences are taken on
- * unsigned integers, which wrap as numpy's int64 arithmetic does. */
+ * order, writing the page ids to `out` if so; as path_loops.whole_pages. A page whose slots would
+ * pass INT64_MAX is not one, so first + j below never overflows. */
 static PyObject *whole_pages(PyObject *self, PyObject *args) {
     PyObject *slots_obj, *out_obj;
     Py_ssize_t page;
@@ -327,9 +327,9 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < m; i++) {
         const int64_t *row = s + i * page;
         int64_t first = row[0];
-        if (first % page) Py_RETURN_FALSE;
+        if (first % page || first > INT64_MAX - (page - 1)) Py_RETURN_FALSE;
         for (Py_ssize_t j = 1; j < page; j++)
-            if ((uint64_t)row[j] - (uint64_t)first != (uint64_t)j) Py_RETURN_FALSE;
+            if (row[j] != first + j) Py_RETURN_FALSE;
         /* Exact: `first` is a multiple of `page`. */
         o[i] = first / page;
     }

@@ -130,7 +130,8 @@ def whole_pages(slots: np.ndarray, page: int, out: np.ndarray) -> bool:
     """Whether int64 `slots` are whole pages of `page` slots, each page's slots in order (a
     multiple of `page`, then the slots after it); if so `out` (int64, one per page) receives the
     page ids (a page's first slot // `page`). False, `out` unspecified, otherwise (a length that is
-    not a multiple of `page` included)."""
+    not a multiple of `page` included). The reference of the compiled version for 1-D int64
+    arrays, which is all the compiled one takes."""
     if page <= 0:
         raise ValueError("page must be positive")
     if len(slots) % page:
@@ -140,6 +141,9 @@ def whole_pages(slots: np.ndarray, page: int, out: np.ndarray) -> bool:
     rows = slots.reshape(-1, page)
     first = rows[:, 0]
     offsets = np.arange(page, dtype=np.int64)
+    # A page whose slots would pass the largest int64 is not one (its sums below would wrap).
+    if np.count_nonzero(first > np.iinfo(np.int64).max - (page - 1)):
+        return False
     if np.count_nonzero(first % page) or np.count_nonzero(rows != first[:, None] + offsets):
         return False
     out[:] = first // page

@@ -394,14 +394,21 @@ def test_compiled_whole_page_checks_find_what_slot_by_slot_reading_finds(page):
     assert seen == ({True, False} if page > 1 else {False})
 
 
-def test_compiled_whole_page_checks_wrap_as_numpy_does_and_refuse_bad_arguments():
+def test_whole_page_checks_at_the_int64_limit_and_with_bad_arguments():
     page = 4
     top = np.iinfo(np.int64).max // page * page
     near_top = np.array([top, top + 1, top + 2, top + 3], dtype=np.int64)
+    low = np.iinfo(np.int64).min
+    # Page 3 from INT64_MAX - 1: its third slot would be INT64_MAX + 1, which wraps to INT64_MIN.
+    wrapping = np.array([np.iinfo(np.int64).max - 1, np.iinfo(np.int64).max, low], dtype=np.int64)
+    assert obvious_whole_pages(wrapping, 3) is None
     for loops in (path_loops.PYTHON, COMPILED):
         out = np.zeros(1, dtype=np.int64)
         assert loops.whole_pages(near_top, page, out) and out[0] == top // page
         assert not loops.whole_pages(np.array([1, 2, 3, 4], dtype=np.int64), page, out)
+        assert not loops.whole_pages(wrapping, 3, out), loops.name
+        low_page = np.array([low, low + 1, low + 2, low + 3], dtype=np.int64)
+        assert loops.whole_pages(low_page, page, out) and out[0] == low // page
         with pytest.raises(ValueError, match="positive"):
             loops.whole_pages(near_top, 0, out)
         with pytest.raises(ValueError, match="one page id per page"):

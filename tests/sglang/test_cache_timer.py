@@ -30,6 +30,10 @@ class Cache:
         busy(1e-3)
         raise ValueError("refused")
 
+    def stats(self):
+        # The report's own call: never timed.
+        return {}
+
     def _helper(self):
         return "private"
 
@@ -83,12 +87,29 @@ def test_the_timer_floor_is_the_cost_of_timing_nothing(readings):
     assert readings["cache_calls"] == 0  # calibrated on readings of its own
 
 
-def test_nothing_is_registered_without_the_variable(monkeypatch):
+@pytest.mark.parametrize("value, registers", [
+    (None, False), ("", False), ("0", False), ("off", False), (" false ", False), ("NO", False),
+    ("1", True), ("true", True), (" Yes", True), ("ON", True),
+])
+def test_the_variable_switches_the_timer(monkeypatch, value, registers):
     registered = []
     monkeypatch.setattr(cache_timer, "register_around", registered.append)
-    monkeypatch.delenv(cache_timer.ENV, raising=False)
+    if value is None:
+        monkeypatch.delenv(cache_timer.ENV, raising=False)
+    else:
+        monkeypatch.setenv(cache_timer.ENV, value)
     cache_timer.register_hooks()
+    assert len(registered) == registers
+    if registers:
+        assert cache_timer._TARGET in registered[0]
+
+
+def test_a_value_that_is_not_a_switch_is_logged_and_times_nothing(monkeypatch, caplog):
+    registered = []
+    monkeypatch.setattr(cache_timer, "register_around", registered.append)
+    monkeypatch.setenv(cache_timer.ENV, "sometimes")
+    with caplog.at_level("WARNING"):
+        cache_timer.register_hooks()  # the plugin must load anyway: no exception
     assert registered == []
-    monkeypatch.setenv(cache_timer.ENV, "1")
-    cache_timer.register_hooks()
-    assert len(registered) == 1 and cache_timer._TARGET in registered[0]
+    assert "PENELOPE_TIME_CACHE must be 1/0 or true/false, got 'sometimes'" in caplog.text
+    assert "not timed" in caplog.text
