@@ -19,7 +19,7 @@ FIELD_ARGUMENTS = {"page": "page_size", "attention": "attention_backend", "extra
 
 
 def add_parser(subparsers) -> None:
-    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
+    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments, leave_scoped_unset
     from penelope.loadgen.ab_configs import DEVICES, NAMES
     from penelope.loadgen.prime import add_prime_argument
 
@@ -31,7 +31,11 @@ def add_parser(subparsers) -> None:
             "one at a time on 127.0.0.1, replays the same sessions against each (as penelope load does), "
             "interleaving repeats in rotated order, and prints each configuration's change against the baseline "
             "paired run by run with 95% intervals. Configurations: " + ", ".join(NAMES)
-            + "; penelope:POLICY and penelope-tier:POLICY for Penelope's other policies."
+            + "; penelope:POLICY and penelope-tier:POLICY for Penelope's other policies. Every option is checked "
+            "before the first server starts; one that applies to none of the configurations named (--tlru-*, "
+            "--slru-protected, --host-tokens), to no warm-up (--warmup-requests with --warmup 0) or not to the "
+            "workload (--sessions, --think-time with a Mooncake trace; --overflow, --subagents, "
+            "--no-shared-prefix with another than WEKA) is refused."
         ),
     )
     parser.add_argument("configs", nargs="+", metavar="CONFIG", help="configurations to compare (two or more)")
@@ -102,11 +106,14 @@ def add_parser(subparsers) -> None:
                       help="a request fails after S seconds without data (default 600)")
     runs.add_argument("--no-plot", action="store_true", help="do not draw ab.png")
     runs.add_argument("--no-progress", action="store_true", help="no progress bar (the lines per run stay)")
+    # After every argument: options that apply to some workloads only are None unless given.
+    leave_scoped_unset(parser)
 
 
 def run(args) -> int:
     import dataclasses
     import json
+    import math
     import time
     from pathlib import Path
 
@@ -115,8 +122,10 @@ def run(args) -> int:
     from penelope.commands.workload_options import (
         DEFAULT_MAX_CONTEXT,
         check_workload_options,
+        fill_scoped_defaults,
         left_out_line,
         load_from_args,
+        read_early,
         workload_inputs,
     )
     from penelope.errors import Interrupted, UsageError
@@ -125,16 +134,25 @@ def run(args) -> int:
     from penelope.loadgen.ab_report import plot_ab, report_payload, report_text
     from penelope.loadgen.ab_runner import FRESH, KEPT, RESIDENT, ABRunner, run_outputs, sglang_server_factory
     from penelope.loadgen.client import Sampling
-    from penelope.loadgen.models import config_value, is_generated, model_scale, prepare_model
+    from penelope.loadgen.models import (
+        check_model,
+        check_vocab,
+        config_value,
+        is_generated,
+        model_scale,
+        prepare_model,
+    )
     from penelope.loadgen.prime import check_prime
-    from penelope.loadgen.runner import LoadConfig
+    from penelope.loadgen.runner import LoadConfig, check_fits, check_scale
     from penelope.loadgen.server import CPU_ENV
+    from penelope.loadgen.target import vocab_of
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_folder, check_outputs
     from penelope.sim.workloads.time_scale import check_time_scale, scale_time
     from penelope.sim.workloads.turns import parse_turns
     from penelope.units import parse_size
 
+    given = fill_scoped_defaults(args)
     if not 1 <= args.repeat <= MAX_REPEAT:
         raise UsageError(f"--repeat must be in [1, {MAX_REPEAT}], got {args.repeat}")
     from_context, _ = parse_turns(args.from_context, args.turns)
@@ -142,15 +160,19 @@ def run(args) -> int:
         raise UsageError(f"--warmup must be a non-negative integer, got {args.warmup}")
     if args.warmup_requests is not None and args.warmup_requests < 1:
         raise UsageError(f"--warmup-requests must be at least 1, got {args.warmup_requests}")
+    if args.warmup_requests is not None and not args.warmup:
+        raise UsageError("--warmup-requests applies to warm-up runs: give --warmup N > 0")
     servers = RESIDENT if args.resident_servers else KEPT if args.keep_servers else FRESH
     if args.vocab is not None and args.vocab < 2:
         raise UsageError(f"--vocab must be at least 2, got {args.vocab}")
-    if args.startup_timeout <= 0:
-        raise UsageError(f"--startup-timeout must be positive, got {args.startup_timeout}")
+    if not (math.isfinite(args.startup_timeout) and args.startup_timeout > 0):
+        raise UsageError(f"--startup-timeout must be a positive number of seconds, got {args.startup_timeout}")
     if args.model.startswith("scale:"):
         model_scale(args.model)
     check_time_scale(args.time_scale)
     TokenSpace(vocab=args.vocab or 2, seed=args.seed, scale=args.scale)
+    if not is_generated(args.model):
+        check_model(args.model, args.vocab)
     load = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
                       read_timeout=args.read_timeout, sampling=Sampling(temperature=0.0), hints=args.hints,
                       prime=args.prime)
@@ -158,12 +180,21 @@ def run(args) -> int:
     tlru = None
     if args.tlru_threshold is not None and args.tlru_next_prompt is not None:
         tlru = TLRUParams(args.tlru_threshold, args.tlru_next_prompt)
+
     setup = ServerSetup(model=args.model, pool=args.pool, device=args.device, page=args.page_size, chunk=args.chunk,
                         server_seed=args.server_seed, attention=attention, host_tokens=args.host_tokens,
                         tlru=tlru or TLRUParams(1, 0), slru_protected=args.slru_protected,
                         extra=tuple(args.server_arg))
+    # One T-LRU value alone: the other comes from the workload, read later; what is known is checked now.
+    if tlru is None and args.tlru_threshold is not None:
+        # The estimate is at least 0: the threshold must exceed 0 already.
+        TLRUParams(args.tlru_threshold, 0)
+    if tlru is None and args.tlru_next_prompt is not None:
+        # The threshold will be the estimate plus one chunk.
+        TLRUParams(args.tlru_next_prompt + setup.chunk, args.tlru_next_prompt)
     # Names and combinations are checked before any model is written or workload read.
     named, _ = parse_configs(args.configs, setup, args.baseline)
+    check_configs_options(args, [config.name for config in named])
     out = check_folder("--out", args.out)
     # Nothing the run writes may be an input (a trace, a calibration, a model's config) or a
     # .json inside the trace folder.
@@ -171,21 +202,37 @@ def run(args) -> int:
     check_outputs({f"--out {args.out}: {path.name}": str(path) for path in written},
                   workload_inputs(args, args.trace), plots=())
 
-    # The workload's options before a model is written (the model's context may set --max-context).
-    check_workload_options(args, args.trace)
+    # The workload's options, and the trace itself, before a model is written (the model's context
+    # may set --max-context: a trace is then read whole here and again below).
+    check_workload_options(args, args.trace, given)
+    early = read_early(args, args.trace)
+    if early is not None:
+        check_prime(early[0], prime=args.prime, sessions=args.sessions, max_requests=None)
+        check_scale(early[0], TokenSpace(vocab=2, scale=args.scale))
     model = str(prepare_model(args.model, out / "model")) if is_generated(args.model) else args.model
-    if args.max_context is None:
+    if is_generated(args.model):
+        check_vocab(args.model, args.vocab, vocab_of(model))
+    if early is not None and early[2]:
+        workload, description, _ = early
+    else:
         # The model's context in the trace's tokens (at most the workloads' usual 128K), not the
         # pool's: the pool must not change the workload. Requests the pool cannot hold are named
-        # before any traffic.
+        # before any server starts.
         context = config_value(model, "max_position_embeddings")
         args.max_context = min(parse_size(DEFAULT_MAX_CONTEXT, "--max-context"),
                                int((context - 7) * args.scale)) if context else DEFAULT_MAX_CONTEXT
-    workload, description = load_from_args(args, args.trace)
+        workload, description = load_from_args(args, args.trace)
     check_prime(workload, prime=args.prime, sessions=args.sessions, max_requests=args.max_requests)
     left_out = left_out_line(workload, from_context)
     workload = scale_time(workload, args.time_scale)
     space = TokenSpace(vocab=args.vocab or 2, seed=args.seed, scale=args.scale)
+    check_scale(workload, space)
+    # What every server will take at most: SGLang's longest request is below its KV pool
+    # (`penelope.loadgen.target`); its context may bound it further, checked once it runs.
+    try:
+        check_fits(workload, space, pool_target(args.pool), args.max_requests)
+    except UsageError as err:
+        raise UsageError(f"--pool {args.pool}: {err}") from None
     if tlru is None:
         estimate = args.tlru_next_prompt
         if estimate is None:
@@ -270,3 +317,29 @@ def appended_tokens(workload, space) -> list[int]:
         for (prompt, reply), (after, _) in zip(lengths, lengths[1:], strict=False):
             added.append(max(0, after - prompt - reply))
     return added or firsts
+
+
+def check_configs_options(args, names: list[str]) -> None:
+    """UsageError for an option given for a configuration that is not among `names`."""
+    from penelope.errors import UsageError
+    from penelope.loadgen.ab_configs import PENELOPE_TIER, SGLANG_HICACHE
+
+    bases = {name.partition(":")[0] for name in names}
+    for flag, value, wanted in (("--tlru-threshold", args.tlru_threshold, ("sglang-tlru",)),
+                                ("--tlru-next-prompt", args.tlru_next_prompt, ("sglang-tlru",)),
+                                ("--slru-protected", args.slru_protected, ("sglang-slru",)),
+                                ("--host-tokens", args.host_tokens, (PENELOPE_TIER, SGLANG_HICACHE))):
+        if value is not None and not bases & set(wanted):
+            raise UsageError(f"{flag} applies to {' or '.join(wanted)} only; the configurations are "
+                             f"{', '.join(names)}")
+
+
+def pool_target(pool: int):
+    """A stand-in `Target` for `check_fits` before any server starts: SGLang takes requests of at
+    most `pool - 1` tokens, prompts below that less 5 (`penelope.loadgen.target`'s margin)."""
+    from penelope.loadgen.target import SGLANG_INPUT_MARGIN, Target
+
+    # SGLang's max_req_len is pool - 1 at most, its max_req_input_len 5 fewer.
+    max_input = pool - 1 - (SGLANG_INPUT_MARGIN - 1)
+    return Target(url="", api="generate", vocab=2, max_prompt=max_input - 1,
+                  max_total=max_input + SGLANG_INPUT_MARGIN - 1)

@@ -18,7 +18,7 @@ FIELD_ARGUMENTS = {"repeats": "repeat"}
 
 
 def add_parser(subparsers) -> None:
-    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
+    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments, leave_scoped_unset
     from penelope.loadgen.apis import APIS, GENERATE
     from penelope.loadgen.prime import add_prime_argument
 
@@ -28,7 +28,9 @@ def add_parser(subparsers) -> None:
         description=(
             "Load generator: replays a workload against a running server, streamed, prompts as token ids that "
             "carry the server's own replies into the next turn. Prints TTFT, ITL, E2E, JCT, throughput, the "
-            "cached fraction the server reports and errors, with 95%% intervals over --repeat runs."
+            "cached fraction the server reports and errors, with 95%% intervals over --repeat runs. Options "
+            "that do not apply to the workload are refused: --sessions and --think-time with an open-loop "
+            "(Mooncake) trace, --overflow, --subagents and --no-shared-prefix with a workload other than WEKA."
         ),
     )
     parser.add_argument("--url", required=True, help="the server, http://HOST:PORT")
@@ -65,6 +67,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT's distribution, TTFT by prompt length, "
                         "reuse by turn")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # After every argument: options that apply to some workloads only are None unless given.
+    leave_scoped_unset(parser)
 
 
 def run(args) -> int:
@@ -74,8 +78,10 @@ def run(args) -> int:
     from penelope.commands.simulate_json import write_json
     from penelope.commands.workload_options import (
         check_workload_options,
+        fill_scoped_defaults,
         left_out_line,
         load_from_args,
+        read_early,
         workload_inputs,
     )
     from penelope.errors import Interrupted, UsageError
@@ -84,14 +90,16 @@ def run(args) -> int:
     from penelope.loadgen.prime import check_prime
     from penelope.loadgen.records import RecordWriter
     from penelope.loadgen.report import counts_line, overhead_line, plot_runs, results_table
-    from penelope.loadgen.runner import LoadConfig, check_fits, run_load
+    from penelope.loadgen.runner import LoadConfig, check_fits, check_scale, run_load
     from penelope.loadgen.summary import estimates, summarize
     from penelope.loadgen.target import base_url, probe_server
     from penelope.loadgen.tokens import TokenSpace
     from penelope.outputs import check_outputs
     from penelope.sim.workloads.time_scale import check_time_scale, scale_time
     from penelope.sim.workloads.turns import parse_turns
+    from penelope.units import MAX_SIZE
 
+    given = fill_scoped_defaults(args)
     config = LoadConfig(sessions=args.sessions, max_requests=args.max_requests, duration=args.duration,
                         read_timeout=args.read_timeout, sampling=Sampling(temperature=args.temperature),
                         hints=args.hints, prime=args.prime)
@@ -107,17 +115,33 @@ def run(args) -> int:
     check_outputs({"--records": args.records, "--json": args.json, "--plot": args.plot},
                   workload_inputs(args, args.trace))
 
-    # The workload's options before the server is contacted (its context may set --max-context).
-    check_workload_options(args, args.trace)
+    # The workload's options, and the trace itself, before the server is contacted (its context
+    # may set --max-context; a trace is then read whole here and again below).
+    check_workload_options(args, args.trace, given)
+    early = read_early(args, args.trace)
+    if early is not None:
+        check_prime(early[0], prime=args.prime, sessions=args.sessions, max_requests=None)
+        check_scale(early[0], TokenSpace(vocab=2, scale=args.scale))
     target = probe_server(args.url, args.api, vocab=args.vocab, context=args.context)
-    if args.max_context is None:
-        # The longest prompt the server takes, in the trace's (unscaled) tokens.
-        args.max_context = int(target.max_prompt * args.scale) if target.max_prompt else "128K"
-    workload, description = load_from_args(args, args.trace)
+    if early is not None and early[2]:
+        workload, description, _ = early
+    else:
+        if target.max_prompt:
+            # The longest prompt the server takes, in the trace's (unscaled) tokens.
+            bound = int(target.max_prompt * args.scale)
+            if bound > MAX_SIZE:
+                raise UsageError(f"--scale {args.scale:g}: the server's longest prompt, {target.max_prompt:,} tokens, "
+                                 f"is {bound:,} trace tokens at this scale, beyond the longest context "
+                                 f"({MAX_SIZE:,}); give a smaller --scale, or --max-context")
+            args.max_context = bound
+        else:
+            args.max_context = "128K"
+        workload, description = load_from_args(args, args.trace)
     check_prime(workload, prime=args.prime, sessions=args.sessions, max_requests=args.max_requests)
     left_out = left_out_line(workload, from_context)
     workload = scale_time(workload, args.time_scale)
     space = TokenSpace(vocab=target.vocab, seed=args.seed, scale=args.scale)
+    check_scale(workload, space)
     check_fits(workload, space, target, args.max_requests)
 
     print_header(target, workload, description, args)

@@ -3,13 +3,30 @@ workload to load, which of its turns, how to replay its waits (`penelope.sim.wor
 
 from __future__ import annotations
 
+import dataclasses
+
 from penelope.costmodel.shapes import model_path
+from penelope.errors import UsageError
 from penelope.sim.workloads.load import DEFAULT_MAX_CONTEXT, FORMATS, WorkloadSpec, check, load
 from penelope.sim.workloads.turns import BELOW_FROM_CONTEXT
 from penelope.sim.workloads.types import Workload
 from penelope.sim.workloads.weka import OVERFLOW_MODES, SUBAGENT_MODES
+from penelope.units import MAX_SIZE
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "add_turn_arguments", "add_workload_arguments", "load_from_args", "workload_spec"]
+
+# Options of `load` and `ab` that apply to some workloads only, with their defaults (attribute ->
+# (default, what it applies to)). Those commands leave them unset (`leave_scoped_unset`), so that one
+# given for a workload it does not apply to is refused with one line (`check_workload_options`)
+# instead of being ignored: closed-loop options with an open-loop (Mooncake) trace, WEKA options
+# with another format. `no_shared_prefix` is a flag: given when set. (`--prime` with an open-loop
+# trace is refused by `penelope.loadgen.prime.check_prime`.)
+CLOSED_LOOP, WEKA = "closed loop", "weka"
+SCOPED = {"sessions": (4, CLOSED_LOOP), "think_time": ("recorded", CLOSED_LOOP),
+          "overflow": ("truncate", WEKA), "subagents": ("skip", WEKA), "no_shared_prefix": (False, WEKA)}
+# A context bound no trace request reaches (token counts are below 2**31): a trace read before the
+# server says its context is read whole.
+UNBOUNDED = MAX_SIZE
 
 
 def add_workload_arguments(parser, trace_flag: bool = True) -> None:
@@ -78,15 +95,62 @@ def workload_spec(args, path: str | None) -> WorkloadSpec:
                         from_context=getattr(args, "from_context", None), turns=getattr(args, "turns", None))
 
 
-def check_workload_options(args, path: str | None) -> None:
+def leave_scoped_unset(parser) -> None:
+    """`SCOPED`'s valued options default to None on `parser` (called after they are added):
+    `fill_scoped_defaults` tells the given ones."""
+    parser.set_defaults(**{name: None for name, (default, _) in SCOPED.items() if default is not False})
+
+
+def fill_scoped_defaults(args) -> set[str]:
+    """Set `SCOPED`'s options that were not given to their defaults; returns the names of those given."""
+    given = set()
+    for name, (default, _) in SCOPED.items():
+        value = getattr(args, name, None)
+        if value is None:
+            setattr(args, name, default)
+        elif value is not False:
+            given.add(name)
+    return given
+
+
+def check_workload_options(args, path: str | None, given: set[str] = frozenset()) -> str:
     """The workload options checked before a command starts a server or writes a model
-    (`penelope.sim.workloads.load.check`)."""
-    check(workload_spec(args, path))
+    (`penelope.sim.workloads.load.check`), and that every option in `given` (`fill_scoped_defaults`)
+    applies to the workload; returns its format."""
+    fmt = check(workload_spec(args, path))[0]
+    for name in sorted(given, key=list(SCOPED).index):
+        flag = "--" + name.replace("_", "-")
+        applies = SCOPED[name][1]
+        if applies == CLOSED_LOOP and fmt == "mooncake":
+            raise UsageError(f"{flag} applies to closed-loop workloads (WEKA, synthetic) only: a Mooncake trace is "
+                             "replayed open loop, every request at its recorded time")
+        if applies == WEKA and fmt != "weka":
+            raise UsageError(f"{flag} applies to WEKA traces only, not to "
+                             + ("a Mooncake trace" if fmt == "mooncake" else "the synthetic workload"))
+    return fmt
 
 
-def load_from_args(args, path: str | None) -> tuple[Workload, dict]:
-    """The workload the options describe and how it was loaded (`penelope.sim.workloads.load.load`)."""
-    return load(workload_spec(args, path))
+def load_from_args(args, path: str | None, max_context: int | str | None = None) -> tuple[Workload, dict]:
+    """The workload the options describe and how it was loaded (`penelope.sim.workloads.load.load`);
+    `max_context`: in place of `args.max_context` (e.g. `UNBOUNDED`)."""
+    spec = workload_spec(args, path)
+    if max_context is not None:
+        spec = dataclasses.replace(spec, max_context=max_context)
+    return load(spec)
+
+
+def read_early(args, path: str | None) -> tuple[Workload, dict, bool] | None:
+    """The workload read before any server is contacted or started, so that a trace that does not
+    parse or leaves no request to replay is named first: (workload, description, final). With
+    `args.max_context` it is the workload to replay (final); without it (the server's or the model's
+    context will set it) a trace is read whole (`UNBOUNDED`), to check it, and read again once the
+    bound is known (not final): a bound only leaves requests out. None: the synthetic workload
+    without `args.max_context` (nothing to read; it is generated for its context)."""
+    if args.max_context is not None:
+        return (*load_from_args(args, path), True)
+    if path is not None:
+        return (*load_from_args(args, path, max_context=UNBOUNDED), False)
+    return None
 
 
 def left_out_line(workload: Workload, from_context: int | None) -> str | None:

@@ -71,3 +71,34 @@ def config_value(model: str, key: str) -> int | None:
         return None
     value = config.get(key) if isinstance(config, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else None
+
+
+def check_model(model: str, vocab: int | None) -> int | None:
+    """Before any server starts: a checkpoint given as a path (one that exists here, or starts with
+    `/`, `.` or `~`) must be a folder with a config.json, and the vocabulary must be known (`vocab`,
+    else the checkpoint's `vocab_size`: without it the load generator cannot draw ids the server
+    takes) and no larger than the checkpoint's (ids at or above it crash SGLang's scheduler on CPU).
+    Returns the checkpoint's vocabulary size (None: not readable here, a hub id). Not for `tiny` and
+    `scale:S`, written later."""
+    from penelope.loadgen.target import vocab_of
+
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith(("/", ".", "~")):
+        if not path.is_dir():
+            raise UsageError(f"`model` {model}: " + ("a file, not a checkpoint folder" if path.exists() else
+                                                     "no such checkpoint folder"))
+        if not (path / "config.json").is_file():
+            raise UsageError(f"`model` {model}: no config.json in this folder (not a checkpoint)")
+    size = vocab_of(model)
+    check_vocab(model, vocab, size)
+    return size
+
+
+def check_vocab(model: str, vocab: int | None, size: int | None) -> None:
+    """`vocab` (None: not given) against the checkpoint's vocabulary `size` (None: not readable)."""
+    if vocab is None and size is None:
+        raise UsageError(f"`model` {model}: its vocabulary size is not readable here (no config.json with "
+                         "vocab_size, e.g. a hub id); give `vocab` N (ids at or above it crash the server)")
+    if vocab is not None and size is not None and vocab > size:
+        raise UsageError(f"`vocab` {vocab} is larger than the vocabulary of `model` {model} ({size:,}): ids at "
+                         "or above it crash the server")

@@ -111,6 +111,15 @@ def check_fits(workload: Workload, space: TokenSpace, target: Target, max_reques
                     "or leave the longest requests out (`max_context`, `turns`)")
 
 
+def check_scale(workload: Workload, space: TokenSpace) -> None:
+    """UsageError when `space.scale` makes every prompt of `workload` one token: no history left to
+    cache, nothing a replay could measure."""
+    longest = max((r.input_tokens for _, _, r in workload.requests()), default=0)
+    if longest > 1 and space.count(longest) < 2:
+        raise UsageError(f"`scale` {space.scale:g} makes every prompt of the workload 1 token (its longest has "
+                         f"{longest:,}): no history left to cache; give a `scale` of at most {int(longest / 1.5):,}")
+
+
 class _Run:
     def __init__(self, http: aiohttp.ClientSession, target: Target, workload: Workload, space: TokenSpace,
                  config: LoadConfig, repeat: int, on_record: Callable[[RequestRecord], None] | None):

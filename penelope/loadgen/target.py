@@ -148,7 +148,7 @@ async def probe(http: aiohttp.ClientSession, url: str, api: str, *, vocab: int |
                          + (" or an OpenAI-compatible one" if api == OPENAI else ""))
     listed = (models or {}).get("data") or [{}]
     model = model_info.get("served_model_name") or listed[0].get("id")
-    vocab = vocab if vocab is not None else _vocab_of(model_info.get("model_path") or info.get("model_path"))
+    vocab = vocab if vocab is not None else vocab_of(model_info.get("model_path") or info.get("model_path"))
     if vocab is None:
         raise UsageError(f"{url} does not say its vocabulary size (its model folder is not readable here); "
                          "give `vocab` N (ids at or above it crash the server)")
@@ -184,7 +184,7 @@ async def probe_request(http: aiohttp.ClientSession, target: Target) -> RequestR
     return record
 
 
-def _vocab_of(model_path: str | None) -> int | None:
+def vocab_of(model_path: str | None) -> int | None:
     """`vocab_size` of the checkpoint folder's config.json (or its text_config's), if readable."""
     if not model_path:
         return None

@@ -525,3 +525,87 @@ def test_the_floor_of_an_open_loop_run_skips_failed_requests(tmp_path):
     assert {r.rid: prompts[(r.session_index, r.turn)] for r in ok} == {r.rid: sent[r.rid] for r in ok}
     # 128 ids a block at scale 4: 256 computed, then 384 less the first two blocks' 256.
     assert never_evicting_prefill(result.records, workload, space, 16) == 256 + 128
+
+
+def _checkpoint(tmp_path, vocab=1000, context=65536):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"vocab_size": vocab, "max_position_embeddings": context}))
+    return str(model)
+
+
+def _mooncake(tmp_path, text=None):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(text if text is not None else "".join(
+        json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}) + "\n"
+        for i in range(4)))
+    return str(path)
+
+
+@pytest.mark.parametrize("configs, argv, message", [
+    # Options of configurations that are not compared.
+    ([], ["--tlru-threshold", "3000"], "--tlru-threshold applies to sglang-tlru only; the configurations are "
+     "penelope, sglang-lru"),
+    ([], ["--tlru-next-prompt", "30"], "--tlru-next-prompt applies to sglang-tlru only"),
+    ([], ["--slru-protected", "3"], "--slru-protected applies to sglang-slru only"),
+    ([], ["--host-tokens", "9000"], "--host-tokens applies to penelope-tier or sglang-hicache only"),
+    # One T-LRU value alone: the other comes from the workload, but this one is already wrong.
+    # (scale:7: the model written, as before these checks, would be the sign of a late check.)
+    (["sglang-tlru"], ["--model", "scale:7", "--tlru-threshold", "0"],
+     "sglang-tlru: --tlru-threshold (0) must exceed --tlru-next-prompt"),
+    (["sglang-tlru"], ["--model", "scale:7", "--tlru-threshold", "-3"],
+     "sglang-tlru: --tlru-threshold must be a non-negative integer"),
+    (["sglang-tlru"], ["--model", "scale:7", "--tlru-next-prompt", "-1"],
+     "sglang-tlru: --tlru-next-prompt must be a non-negative integer"),
+    ([], ["--warmup", "0", "--warmup-requests", "3"], "--warmup-requests applies to warm-up runs"),
+    ([], ["--startup-timeout", "nan"], "--startup-timeout must be a positive number of seconds, got nan"),
+    ([], ["--startup-timeout", "inf"], "--startup-timeout must be a positive number of seconds, got inf"),
+    # The model: a path that is no checkpoint, a vocabulary that is not known or too large.
+    ([], ["--model", "/no/such/checkpoint"], "--model /no/such/checkpoint: no such checkpoint folder"),
+    ([], ["--model", "EMPTY"], "no config.json in this folder (not a checkpoint)"),
+    ([], ["--model", "TRACE"], "a file, not a checkpoint folder"),
+    ([], ["--model", "Org/Model"], "--model Org/Model: its vocabulary size is not readable here"),
+    ([], ["--vocab", "5000"], "--vocab 5000 is larger than the vocabulary of --model"),
+    # The workload: a trace that does not parse, options that do not apply to it, an absurd scale,
+    # requests the pool cannot hold.
+    ([], ["--model", "scale:7", "--trace", "BAD"], "trace.jsonl:1: not valid JSON"),
+    ([], ["--trace", "TRACE", "--sessions", "2"], "--sessions applies to closed-loop workloads"),
+    ([], ["--trace", "TRACE", "--think-time", "tool"], "--think-time applies to closed-loop workloads"),
+    ([], ["--overflow", "drop"], "--overflow applies to WEKA traces only, not to the synthetic workload"),
+    ([], ["--model", "scale:7", "--trace", "TRACE", "--prime"], "--prime needs a closed-loop workload"),
+    ([], ["--trace", "TRACE", "--scale", "1000"], "--scale 1000 makes every prompt of the workload 1 token"),
+    ([], ["--scale", "1e9"], "--scale 1e+09 makes every prompt of the workload 1 token"),
+    ([], ["--pool", "256", "--page-size", "16"], "--pool 256: synthetic session 0 request 0: a prompt of"),
+])
+def test_every_option_is_checked_before_any_server_starts(tmp_path, monkeypatch, capsys, configs, argv, message):
+    """Bad values that used to stop the run only once a server had started (or were ignored) are one
+    line, exit 2, and no server starts; a trace is read before a model is written."""
+    import penelope.loadgen.ab_runner as ab_runner
+
+    started = []
+
+    def no_server(config, log):
+        started.append(config.name)
+        raise AssertionError(f"a server started for {config.name}")
+
+    monkeypatch.setattr(ab_runner, "sglang_server_factory", lambda setup, env, timeout: no_server)
+    (tmp_path / "empty").mkdir()
+    places = {"EMPTY": str(tmp_path / "empty"), "TRACE": _mooncake(tmp_path),
+              "BAD": _mooncake(tmp_path / "empty", "not json\n")}
+    argv = [places.get(a, a) for a in argv]
+    if "--model" not in argv:
+        argv = ["--model", _checkpoint(tmp_path), *argv]
+    out = tmp_path / "out"
+    assert main(["ab", "penelope", *(configs or ["sglang-lru"]), "--pool", "65536", "--out", str(out),
+                 "--no-progress", "--no-plot", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("penelope: error: ") and message in err and err.count("\n") == 1, err
+    assert started == [] and not (out / "model").exists()
+
+
+def test_a_trace_is_read_before_a_model_is_written(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["ab", "penelope", "sglang-lru", "--model", "scale:7", "--pool", "4096", "--out", str(out),
+                 "--trace", _mooncake(tmp_path, '{"timestamp": 0}\n')]) == 2
+    assert "trace.jsonl:1:" in capsys.readouterr().err
+    assert not (out / "model").exists()

@@ -125,3 +125,92 @@ def test_ctrl_c_and_sigterm_keep_the_requests_that_ended(tmp_path, signum, code,
     assert len(ended) >= 4 and {r.status for r in kept} <= {"ok", "cut"}
     assert err.strip().splitlines() == [f"penelope: {word}; wrote the {len(kept)} requests that ended to {records}"]
     assert "Traceback" not in err and os.path.getsize(records) > 0
+
+
+def _trace(tmp_path, name, text):
+    path = tmp_path / name
+    if name.endswith("/"):
+        path.mkdir()
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+MOONCAKE = "".join(json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]})
+                   + "\n" for i in range(4))
+
+
+@pytest.mark.parametrize(("name", "text", "extra", "message"), [
+    ("bad.jsonl", '{"timestamp": 0, "input_length": 10}\n', [], "bad.jsonl:1: 'output_length'"),
+    ("garbage.jsonl", "garbage\n", [], "garbage.jsonl:1: not valid JSON"),
+    ("empty.jsonl", "", [], "empty.jsonl: no requests"),
+    ("empty/", None, [], "no *.json trace files in this folder"),
+    ("weka.json", "{}", [], "expected a JSON object with a 'requests' list"),
+    ("short.jsonl", MOONCAKE, ["--from-context", "1K"], "--from-context 1,024: no session reaches it"),
+    # Read whole, with the context bound given.
+    ("garbage.jsonl", "garbage\n", ["--max-context", "64K"], "garbage.jsonl:1: not valid JSON"),
+])
+def test_a_trace_that_does_not_parse_is_named_before_the_server_is_contacted(tmp_path, capsys, name, text, extra,
+                                                                            message):
+    """An unreachable server and a bad trace: the trace is named (not the server); a reachable
+    one is sent nothing."""
+    trace = _trace(tmp_path, name, text)
+    assert main(["load", "--url", "http://127.0.0.1:9", "--vocab", "1000", "--trace", trace, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("penelope: error: ") and message in err, err
+    with StubServer() as stub:
+        assert main(["load", "--url", stub.url, "--vocab", "1000", "--trace", trace, *extra]) == 2
+        assert stub.requests == []
+    assert message in capsys.readouterr().err
+
+
+def test_an_absurd_scale_is_named_as_the_scale(tmp_path, capsys):
+    """--scale 1e9 and a server of 99,999 tokens: the context it sets, --max-context, would be beyond
+    any size; the error names --scale. With a trace, a scale that leaves every prompt 1 token is
+    refused before the server is contacted."""
+    with StubServer() as stub:
+        assert main(["load", "--url", stub.url, "--vocab", "1000", "--scale", "1e9", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("penelope: error: --scale 1e+09: the server's longest prompt, 99,999 tokens, is "
+                              "99,999,000,000,000 trace tokens") and err.count("\n") == 1, err
+        assert "--max-context" in err.split(";")[-1]
+    with StubServer() as stub:
+        assert main(["load", "--url", stub.url, "--vocab", "1000", "--scale", "1e9", "--max-context", "128K",
+                     "--no-progress"]) == 2
+        assert capsys.readouterr().err.startswith("penelope: error: --scale 1e+09 makes every prompt of the "
+                                                  "workload 1 token (its longest has 131,072)")
+        assert stub.requests == []
+    trace = _trace(tmp_path, "m.jsonl", MOONCAKE)
+    assert main(["load", "--url", "http://127.0.0.1:9", "--vocab", "1000", "--trace", trace, "--scale", "1000"]) == 2
+    assert capsys.readouterr().err == ("penelope: error: --scale 1000 makes every prompt of the workload 1 token "
+                                       "(its longest has 600): no history left to cache; give a --scale of at most "
+                                       "400\n")
+
+
+@pytest.mark.parametrize(("trace", "option", "message"), [
+    (True, ["--sessions", "2"], "--sessions applies to closed-loop workloads (WEKA, synthetic) only: a Mooncake "
+     "trace is replayed open loop"),
+    (True, ["--sessions", "4"], "--sessions applies to closed-loop workloads"),
+    (True, ["--think-time", "tool"], "--think-time applies to closed-loop workloads"),
+    (True, ["--overflow", "drop"], "--overflow applies to WEKA traces only, not to a Mooncake trace"),
+    (True, ["--no-shared-prefix"], "--no-shared-prefix applies to WEKA traces only"),
+    (False, ["--subagents", "replay"], "--subagents applies to WEKA traces only, not to the synthetic workload"),
+    (False, ["--overflow", "skip"], "--overflow applies to WEKA traces only, not to the synthetic workload"),
+])
+def test_options_that_do_not_apply_to_the_workload_are_refused(tmp_path, capsys, trace, option, message):
+    """Not ignored: refused with one line before the server is contacted."""
+    given = ["--trace", _trace(tmp_path, "m.jsonl", MOONCAKE)] if trace else []
+    assert main(["load", "--url", "http://127.0.0.1:9", "--vocab", "1000", *given, *option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"penelope: error: {message}"), err
+
+
+def test_options_that_apply_are_taken(tmp_path, capsys):
+    """The defaults of the options refused elsewhere still apply; a Mooncake trace runs without them."""
+    trace = _trace(tmp_path, "m.jsonl", MOONCAKE)
+    with StubServer() as stub:
+        assert main(["load", "--url", stub.url, "--vocab", "1000", "--trace", trace, "--time-scale", "0.001",
+                     "--no-progress"]) == 0
+        assert "open loop at the recorded arrival times" in capsys.readouterr().out
+        assert main(["load", "--url", stub.url, *QUICK, "--sessions", "4", "--think-time", "tool,cap:0"]) == 0
+        assert "4 sessions at once" in capsys.readouterr().out
