@@ -342,7 +342,7 @@ def _report_counters(original, controller, recv_req):
         cache = getattr(scheduler, "tree_cache", None)
         chunked = getattr(scheduler, "chunked_req", None)
         stats = cache.stats() if isinstance(cache, PenelopeRadixCache) else {}
-        # After the cache's own (timed) call, so that the timer's readings include it.
+        # The timer's readings as one copy (`cache_timer.snapshot`; its `stats` is never timed).
         state["penelope"] = {**COUNTERS, **cache_timer.snapshot(), "process_cpu_s": time.process_time(),
                              "chunked_rid": chunked.rid if chunked is not None else None, **stats}
     return out
