@@ -58,7 +58,8 @@ def key_tokens(token_ids, n: int, namespace: int) -> np.ndarray:
     """The first `n` token ids as int64, shifted into `namespace`. Without a namespace, a view of
     SGLang's array that the caller must not keep (a kept view would pin the growing array)."""
     if isinstance(token_ids, array) and token_ids.typecode == "q":
-        tokens = np.frombuffer(token_ids, dtype=np.int64, count=n)
+        # Positional arguments: numpy parses keywords here at a cost comparable to the call's own.
+        tokens = np.frombuffer(token_ids, np.int64, n)
     else:
         # Checked by numpy's dtype, not token by token: floats, bools, None and ids beyond int64
         # are refused instead of being truncated or raising a TypeError.

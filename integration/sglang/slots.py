@@ -90,11 +90,26 @@ class SGLangSlots:
     def _free_list(self) -> np.ndarray | None:
         """SGLang's free page ids (int64), read in place on a CPU pool; None where its allocator
         keeps no page free list."""
-        free_pages = self.sglang.get_all_free_pages()
-        if free_pages is None:
-            return None
-        free = free_pages.numpy() if self._on_cpu else free_pages.to("cpu", torch.int64).numpy()
-        return np.ascontiguousarray(free, dtype=np.int64)
+        allocator = self.sglang
+        kind = type(allocator) if self._on_cpu else None
+        # The stock allocators' lists, read as they are (`get_all_free_pages` joins them with a
+        # `torch.cat`, on every insert): the free pages, and those freed but not yet merged into
+        # them (page 1: `release_pages`; paged: the `staged_pages` tensors).
+        if kind is TokenToKVPoolAllocator:
+            freed = allocator.release_pages
+            free = allocator.free_pages.numpy()
+            listed = np.concatenate((free, freed.numpy())) if freed.shape[0] else free
+        elif kind is PagedTokenToKVPoolAllocator:
+            staged = allocator.staged_pages
+            free = allocator.free_pages.numpy()
+            listed = np.concatenate((free, *[pages.numpy() for pages in staged])) if staged else free
+        else:
+            free_pages = allocator.get_all_free_pages()
+            if free_pages is None:
+                return None
+            listed = free_pages.to("cpu", torch.int64).numpy()
+        return listed if listed.dtype == np.int64 and listed.flags.c_contiguous else \
+            np.ascontiguousarray(listed, np.int64)
 
     def _refuse(self, pages: np.ndarray, problem: int, listed: np.ndarray | None) -> None:
         """Raise the UsageError of the first check `pages` failed (`path_loops.page_problem`)."""
@@ -133,7 +148,7 @@ class SGLangSlots:
         if not len(slots):
             return
         pages = self._page_ids(slots)
-        if not self._in_tree[pages].all():
+        if np.count_nonzero(self._in_tree[pages]) != len(pages):
             raise InvariantError("penelope: the tree released a slot it did not hold")
         self._in_tree[pages] = False
         self._held -= len(slots)

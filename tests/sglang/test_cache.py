@@ -1,5 +1,6 @@
 """PenelopeRadixCache on SGLang 0.5.23's real ReqToTokenPool, MHATokenToKVPool and token/paged
 allocators (CPU): accounting, holes, locks, and KV correctness checked with fingerprints."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -242,6 +243,30 @@ def test_insert_without_slots_is_refused_where_sglang_would_cache_token_ids_as_s
             serving.cache.insert(InsertParams(key=key))
     assert adapter_state(serving) == before
     serving.cache.check_invariants()
+
+
+@pytest.mark.parametrize("need_sort", [False, True])
+@pytest.mark.parametrize("page", PAGES)
+def test_slots_freed_back_to_sglang_are_refused_as_never_allocated(page, need_sort):
+    """Slots a request gave back wait, with need_sort, in the allocator's second list (page 1:
+    `release_pages`, paged: `staged_pages`) until SGLang merges them: the free-list check reads
+    both lists, the same pages as SGLang's own `get_all_free_pages`."""
+    serving = Serving(size=64 * 8, page_size=page)
+    cache, allocator = serving.cache, serving.allocator
+    allocator.need_sort = need_sort
+    first, second = allocator.alloc(128), allocator.alloc(128)
+    allocator.free(first[:64])
+    allocator.free(second)
+    listed = cache.slots._free_list()
+    assert sorted(listed.tolist()) == sorted(allocator.get_all_free_pages().tolist())
+    assert listed.dtype == np.int64 and listed.flags.c_contiguous
+    for freed in (first[:64], second[64:]):
+        with pytest.raises(UsageError, match="never allocated"):
+            cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=freed))
+    # The slots still held go in.
+    assert cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=first[64:])).prefix_len == 0
+    assert cache.evictable_size() == 64
+    cache.check_invariants()
 
 
 def test_insert_refuses_slots_in_the_wrong_state_and_changes_nothing():
