@@ -25,8 +25,10 @@ lock -> evict the shortfall -> alloc -> torch.cat of the row -> insert -> free t
 (``UnifiedRadixCache`` frees them itself, told the matched length by ``prev_prefix_len``) and the
 partial page -> unlock.
 
-The timed requests are cut into segments; the caches replay each segment in turn, in an order
-rotated from segment to segment, each cache continuing from its own state. Time is the CPU time
+The timed requests are cut into segments; the caches replay each segment in turn, each
+continuing from its own state, in orders that give every cache every other one as its predecessor
+equally often (``interleave.balanced_orders``: a cache runs in the memory state its predecessor
+left, and one rotated order would charge that to one cache every time). Time is the CPU time
 of the benchmark's thread with torch on one thread (neither SGLang's Rust core nor torch then
 works on other threads: measured, the process's CPU time equals the thread's), so other jobs on a
 shared machine do not count. Figures in
@@ -34,7 +36,9 @@ shared machine do not count. Figures in
 cache's time in the same segment, median over segments (>= 1.0: at least as fast as the Rust
 core), as ``ratio_kvcache_vs_rust`` and ``ratio_adapter_vs_rust`` (tracked by ``compare.py``) and
 ``radixcache_vs_rust``, ``unified_python_vs_rust`` (SGLang's own, shown only), each with
-``<cache>_vs_rust_range`` (lowest, highest over segments); exact counts of the work (requests of
+``<cache>_vs_rust_ci95`` (the distribution-free 95% interval of that median,
+``interleave.median_interval``) and ``<cache>_vs_rust_range`` (lowest, highest over segments);
+exact counts of the work (requests of
 the fill, tokens hit, tokens cached after the run; the same for every cache, asserted).
 
 Run: ``python -m pytest microbench/bench_cache_overhead.py --benchmark-json out.json``.
@@ -49,6 +53,7 @@ import numpy as np
 import pytest
 import torch
 from bench_cache_manager import penelope_request
+from interleave import balanced_orders, median_interval
 
 from penelope.cache.manager import KVCache
 
@@ -62,7 +67,8 @@ NEW_PAGES = (1, 8)
 REPLY_PAGES = (1, 6)
 ACTIVE = 4
 FILL = 1.2
-SEGMENTS = 7
+# Two rounds of the ten balanced orders of five caches.
+SEGMENTS = 20
 SEGMENT_REQUESTS = 60
 VOCAB = 151_936
 
@@ -247,9 +253,9 @@ def measure(page: int, blocks: int, caches=CACHES) -> dict:
             replay(side, workload.fill)
             side.hit_tokens = 0
         seconds = {name: [] for name in caches}
+        orders = balanced_orders(caches)
         for i, segment in enumerate(workload.segments):
-            order = caches[i % len(caches):] + caches[:i % len(caches)]
-            for name in order:
+            for name in orders[i % len(orders)]:
                 seconds[name].append(replay(sides[name], segment))
     finally:
         torch.set_num_threads(threads)
@@ -284,6 +290,8 @@ def test_overhead_against_unified_radix_cache(benchmark, page, blocks):
             ratios = [r / t for r, t in zip(rust, seconds[name], strict=True)]
             # compare.py tracks Penelope's ratios; SGLang's own caches are shown, not tracked.
             ours = name in ("kvcache", "adapter")
-            info[f"ratio_{name}_vs_rust" if ours else f"{name}_vs_rust"] = statistics.median(ratios)
+            median, low, high = median_interval(ratios)
+            info[f"ratio_{name}_vs_rust" if ours else f"{name}_vs_rust"] = median
+            info[f"{name}_vs_rust_ci95"] = [low, high]
             info[f"{name}_vs_rust_range"] = [min(ratios), max(ratios)]
     benchmark.extra_info.update(info)
