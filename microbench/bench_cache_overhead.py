@@ -28,7 +28,9 @@ partial page -> unlock.
 The timed requests are cut into segments; the caches replay each segment in turn, each
 continuing from its own state, in orders that give every cache every other one as its predecessor
 equally often (``interleave.balanced_orders``: a cache runs in the memory state its predecessor
-left, and one rotated order would charge that to one cache every time). Time is the CPU time
+left, and one rotated order would charge that to one cache every time), each segment after a pass
+over 64 MiB that evicts the CPU caches (``interleave.Scrub``), so that the first cache of a
+segment does not follow the previous segment's last. Time is the CPU time
 of the benchmark's thread with torch on one thread (neither SGLang's Rust core nor torch then
 works on other threads: measured, the process's CPU time equals the thread's), so other jobs on a
 shared machine do not count. Figures in
@@ -53,7 +55,7 @@ import numpy as np
 import pytest
 import torch
 from bench_cache_manager import penelope_request
-from interleave import balanced_orders, median_interval
+from interleave import Scrub, balanced_orders, median_interval
 
 from penelope.cache.manager import KVCache
 
@@ -254,7 +256,12 @@ def measure(page: int, blocks: int, caches=CACHES) -> dict:
             side.hit_tokens = 0
         seconds = {name: [] for name in caches}
         orders = balanced_orders(caches)
+        if len(workload.segments) % len(orders):
+            raise ValueError(f"{len(workload.segments)} segments do not cycle through the {len(orders)} "
+                             f"balanced orders of {len(caches)} caches")
+        scrub = Scrub()
         for i, segment in enumerate(workload.segments):
+            scrub()
             for name in orders[i % len(orders)]:
                 seconds[name].append(replay(sides[name], segment))
     finally:

@@ -88,28 +88,34 @@ class SGLangSlots:
             self._refuse(pages, problem, listed)
 
     def _free_list(self) -> np.ndarray | None:
-        """SGLang's free page ids (int64), read in place on a CPU pool; None where its allocator
-        keeps no page free list."""
+        """SGLang's free page ids (int64; callers only read it), read in place on a CPU pool where
+        it can be, with the pages freed in an open free group (`free_group_begin`: free, though
+        listed only when the group ends); None where the allocator keeps no page free list."""
         allocator = self.sglang
         kind = type(allocator) if self._on_cpu else None
-        # The stock allocators' lists, read as they are (`get_all_free_pages` joins them with a
-        # `torch.cat`, on every insert): the free pages, and those freed but not yet merged into
-        # them (page 1: `release_pages`; paged: the `staged_pages` tensors).
+        # The stock allocators' lists, read as they are: the free pages, those freed but not yet
+        # merged into them (page 1: `release_pages`; paged: the `staged_pages` tensors), and
+        # those of an open free group (`get_all_free_pages` leaves these out, and builds a new
+        # tensor whenever there is more than one list).
         if kind is TokenToKVPoolAllocator:
-            freed = allocator.release_pages
-            free = allocator.free_pages.numpy()
-            listed = np.concatenate((free, freed.numpy())) if freed.shape[0] else free
+            free, freed, group = allocator.free_pages, allocator.release_pages, allocator.free_group
+            # Page 1: slot ids are page ids.
+            more = ([freed] if freed.shape[0] else []) + (group or [])
         elif kind is PagedTokenToKVPoolAllocator:
-            staged = allocator.staged_pages
-            free = allocator.free_pages.numpy()
-            listed = np.concatenate((free, *[pages.numpy() for pages in staged])) if staged else free
+            free, more, group = allocator.free_pages, allocator.staged_pages, allocator.free_group
+            if group is not None:
+                more = more + [slots // self.page_size for slots in group] + allocator.free_page_ids_group
         else:
             free_pages = allocator.get_all_free_pages()
             if free_pages is None:
                 return None
-            listed = free_pages.to("cpu", torch.int64).numpy()
-        return listed if listed.dtype == np.int64 and listed.flags.c_contiguous else \
-            np.ascontiguousarray(listed, np.int64)
+            free, more = free_pages.to("cpu"), []
+        listed = free.numpy()
+        if more:
+            listed = np.concatenate([listed, *[pages.numpy() for pages in more]], dtype=np.int64)
+        if listed.dtype != np.int64 or not listed.flags.c_contiguous:
+            listed = np.ascontiguousarray(listed, np.int64)
+        return listed
 
     def _refuse(self, pages: np.ndarray, problem: int, listed: np.ndarray | None) -> None:
         """Raise the UsageError of the first check `pages` failed (`path_loops.page_problem`)."""
@@ -128,7 +134,8 @@ class SGLangSlots:
             raise UsageError(f"penelope: slot {int(pages[repeated][0]) * page} is passed twice")
         if problem == path_loops.LISTED:
             lowest = int(pages[np.isin(pages, listed)].min())
-            raise UsageError(f"penelope: slot page {lowest} was never allocated (it is on SGLang's free list)")
+            raise UsageError(f"penelope: slot page {lowest} is free in SGLang's allocator (never allocated, or "
+                            "freed already)")
         raise InvariantError(f"penelope: page check failed with an unknown problem {problem}")
 
     def adopt(self, slots: np.ndarray) -> None:

@@ -20,7 +20,7 @@ _spec.loader.exec_module(interleave)
 def test_every_name_follows_every_other_equally_often(n):
     names = [f"c{i}" for i in range(n)]
     orders = interleave.balanced_orders(names)
-    assert len(orders) == (2 * n if n % 2 else n)
+    assert len(orders) == (2 * n if n % 2 and n > 1 else n)
     assert all(sorted(order) == names for order in orders)
     follows = Counter((a, b) for order in orders for a, b in itertools.pairwise(order))
     pairs = list(itertools.permutations(names, 2))
@@ -43,6 +43,14 @@ def test_balanced_orders_refuse_repeated_names():
     with pytest.raises(ValueError, match="distinct"):
         interleave.balanced_orders(["a", "b", "a"])
     assert interleave.balanced_orders([]) == []
+    assert interleave.balanced_orders(["a"]) == [["a"]]
+
+
+def test_the_scrub_writes_its_whole_buffer():
+    scrub = interleave.Scrub(1 << 20)
+    scrub()
+    scrub()
+    assert scrub._buffer.nbytes == 1 << 20 and (scrub._buffer == 2).all()
 
 
 def _coverage(n: int, j: int) -> float:
@@ -76,3 +84,5 @@ def test_few_values_give_the_whole_range_and_bad_input_is_refused():
         interleave.median_interval([])
     with pytest.raises(ValueError, match="confidence"):
         interleave.median_interval([1.0, 2.0], confidence=1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        interleave.median_interval([1.0, float("nan"), 2.0])

@@ -245,9 +245,16 @@ def test_insert_without_slots_is_refused_where_sglang_would_cache_token_ids_as_s
     serving.cache.check_invariants()
 
 
+def _refuse_get_all_free_pages(allocator):
+    """The stock allocators' lists are read directly: SGLang's census must not be called."""
+    def refuse():
+        raise AssertionError("get_all_free_pages was called")
+    allocator.get_all_free_pages = refuse
+
+
 @pytest.mark.parametrize("need_sort", [False, True])
 @pytest.mark.parametrize("page", PAGES)
-def test_slots_freed_back_to_sglang_are_refused_as_never_allocated(page, need_sort):
+def test_slots_freed_back_to_sglang_are_refused_as_free(page, need_sort):
     """Slots a request gave back wait, with need_sort, in the allocator's second list (page 1:
     `release_pages`, paged: `staged_pages`) until SGLang merges them: the free-list check reads
     both lists, the same pages as SGLang's own `get_all_free_pages`."""
@@ -257,15 +264,42 @@ def test_slots_freed_back_to_sglang_are_refused_as_never_allocated(page, need_so
     first, second = allocator.alloc(128), allocator.alloc(128)
     allocator.free(first[:64])
     allocator.free(second)
+    census = sorted(allocator.get_all_free_pages().tolist())
+    _refuse_get_all_free_pages(allocator)
     listed = cache.slots._free_list()
-    assert sorted(listed.tolist()) == sorted(allocator.get_all_free_pages().tolist())
+    assert sorted(listed.tolist()) == census
     assert listed.dtype == np.int64 and listed.flags.c_contiguous
     for freed in (first[:64], second[64:]):
-        with pytest.raises(UsageError, match="never allocated"):
+        with pytest.raises(UsageError, match="is free in SGLang's allocator"):
             cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=freed))
     # The slots still held go in.
     assert cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=first[64:])).prefix_len == 0
     assert cache.evictable_size() == 64
+    del allocator.get_all_free_pages
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("by_page_id", [False, True])
+@pytest.mark.parametrize("page", PAGES)
+def test_slots_freed_in_an_open_free_group_are_refused(page, by_page_id):
+    """SGLang's scheduler frees a batch's slots inside a free group: they are free from then on,
+    though listed only when the group ends. An insert of them in between is refused; accepted,
+    the tree would hold pages that the group's end puts on the free list."""
+    serving = Serving(size=64 * 8, page_size=page)
+    cache, allocator = serving.cache, serving.allocator
+    slots = allocator.alloc(128)
+    allocator.free_group_begin()
+    if by_page_id:
+        allocator.free_page_ids(slots[64::page] // page)
+    else:
+        allocator.free(slots[64:])
+    _refuse_get_all_free_pages(allocator)
+    with pytest.raises(UsageError, match="is free in SGLang's allocator"):
+        cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=slots[64:]))
+    assert cache.insert(InsertParams(key=RadixKey(list(blocks(901, 1))), value=slots[:64])).prefix_len == 0
+    del allocator.get_all_free_pages
+    allocator.free_group_end()
+    assert allocator.available_size() == 64 * 8 - 64
     cache.check_invariants()
 
 
@@ -296,7 +330,7 @@ def test_insert_names_the_lowest_listed_page_and_refuses_slots_outside_the_pool(
     free = sorted(allocator.get_all_free_pages().tolist())[:128 // page]
     # Free pages, the highest first: the message names the lowest.
     never = torch.cat([torch.arange(p * page, (p + 1) * page) for p in reversed(free)])
-    with pytest.raises(UsageError, match=f"slot page {free[0]} was never allocated"):
+    with pytest.raises(UsageError, match=f"slot page {free[0]} is free in SGLang's allocator"):
         cache.insert(InsertParams(key=key, value=never))
     for outside in (torch.arange(-128, 0), torch.arange(64 * 9, 64 * 9 + 128)):
         with pytest.raises(UsageError, match="outside SGLang's pool"):
