@@ -249,16 +249,16 @@ def measure(page: int, blocks: int, caches=CACHES) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        orders = balanced_orders(caches)
+        if len(workload.segments) % len(orders):
+            raise ValueError(f"{len(workload.segments)} segments do not cycle through the {len(orders)} "
+                             f"balanced orders of {len(caches)} caches")
         sides = {}
         for name in caches:
             side = sides[name] = make_side(name, workload, page, blocks)
             replay(side, workload.fill)
             side.hit_tokens = 0
         seconds = {name: [] for name in caches}
-        orders = balanced_orders(caches)
-        if len(workload.segments) % len(orders):
-            raise ValueError(f"{len(workload.segments)} segments do not cycle through the {len(orders)} "
-                             f"balanced orders of {len(caches)} caches")
         scrub = Scrub()
         for i, segment in enumerate(workload.segments):
             scrub()

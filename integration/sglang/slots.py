@@ -88,11 +88,11 @@ class SGLangSlots:
             self._refuse(pages, problem, listed)
 
     def _free_list(self) -> np.ndarray | None:
-        """SGLang's free page ids (int64; callers only read it), read in place on a CPU pool where
-        it can be, with the pages freed in an open free group (`free_group_begin`: free, though
-        listed only when the group ends); None where the allocator keeps no page free list."""
+        """SGLang's free page ids (int64; callers only read it), with the pages freed in an open
+        free group (`free_group_begin`: free, though listed only when the group ends), read in
+        place on a CPU pool; None where the allocator keeps no page free list."""
         allocator = self.sglang
-        kind = type(allocator) if self._on_cpu else None
+        kind = type(allocator)
         # The stock allocators' lists, read as they are: the free pages, those freed but not yet
         # merged into them (page 1: `release_pages`; paged: the `staged_pages` tensors), and
         # those of an open free group (`get_all_free_pages` leaves these out, and builds a new
@@ -106,13 +106,15 @@ class SGLangSlots:
             if group is not None:
                 more = more + [slots // self.page_size for slots in group] + allocator.free_page_ids_group
         else:
-            free_pages = allocator.get_all_free_pages()
-            if free_pages is None:
+            free, more = allocator.get_all_free_pages(), []
+            if free is None:
                 return None
-            free, more = free_pages.to("cpu"), []
-        listed = free.numpy()
-        if more:
-            listed = np.concatenate([listed, *[pages.numpy() for pages in more]], dtype=np.int64)
+        if self._on_cpu:
+            listed = free.numpy()
+            if more:
+                listed = np.concatenate([listed, *[pages.numpy() for pages in more]], dtype=np.int64)
+        else:
+            listed = torch.cat([free, *more]).to("cpu").numpy() if more else free.to("cpu").numpy()
         if listed.dtype != np.int64 or not listed.flags.c_contiguous:
             listed = np.ascontiguousarray(listed, np.int64)
         return listed

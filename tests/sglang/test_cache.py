@@ -279,14 +279,17 @@ def test_slots_freed_back_to_sglang_are_refused_as_free(page, need_sort):
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("gpu_path", [False, True])
 @pytest.mark.parametrize("by_page_id", [False, True])
 @pytest.mark.parametrize("page", PAGES)
-def test_slots_freed_in_an_open_free_group_are_refused(page, by_page_id):
+def test_slots_freed_in_an_open_free_group_are_refused(page, by_page_id, gpu_path):
     """SGLang's scheduler frees a batch's slots inside a free group: they are free from then on,
     though listed only when the group ends. An insert of them in between is refused; accepted,
-    the tree would hold pages that the group's end puts on the free list."""
+    the tree would hold pages that the group's end puts on the free list. `gpu_path`: the lists
+    read as on a GPU pool (joined on the device, then copied to the host)."""
     serving = Serving(size=64 * 8, page_size=page)
     cache, allocator = serving.cache, serving.allocator
+    cache.slots._on_cpu = not gpu_path
     slots = allocator.alloc(128)
     allocator.free_group_begin()
     if by_page_id:
