@@ -30,18 +30,17 @@ continuing from its own state, in orders that give every cache every other one a
 equally often (``interleave.balanced_orders``: a cache runs in the memory state its predecessor
 left, and one rotated order would charge that to one cache every time), each segment after a pass
 over 64 MiB that evicts the CPU caches (``interleave.Scrub``), so that the first cache of a
-segment does not follow the previous segment's last. Time is the CPU time
-of the benchmark's thread with torch on one thread (neither SGLang's Rust core nor torch then
-works on other threads: measured, the process's CPU time equals the thread's), so other jobs on a
-shared machine do not count. Figures in
-``extra_info``: ``<cache>_s_per_request`` (median over segments); the Rust core's time / the
-cache's time in the same segment, median over segments (>= 1.0: at least as fast as the Rust
-core), as ``ratio_kvcache_vs_rust`` and ``ratio_adapter_vs_rust`` (tracked by ``compare.py``) and
-``radixcache_vs_rust``, ``unified_python_vs_rust`` (SGLang's own, shown only), each with
-``<cache>_vs_rust_ci95`` (the distribution-free 95% interval of that median,
-``interleave.median_interval``) and ``<cache>_vs_rust_range`` (lowest, highest over segments);
-exact counts of the work (requests of
-the fill, tokens hit, tokens cached after the run; the same for every cache, asserted).
+segment does not follow the previous segment's last. Time is the CPU time of the benchmark's
+thread with torch on one thread (neither SGLang's Rust core nor torch then works on other threads:
+measured, the process's CPU time equals the thread's), so other jobs on a shared machine do not
+count. Figures in ``extra_info``: ``<cache>_s_per_request`` (median over segments); the Rust
+core's time / the cache's time in the same segment, median over segments (>= 1.0: at least as fast
+as the Rust core), as ``ratio_kvcache_vs_rust`` and ``ratio_adapter_vs_rust`` (tracked by
+``compare.py``) and ``radixcache_vs_rust``, ``unified_python_vs_rust`` (SGLang's own, shown only),
+each with ``<cache>_vs_rust_ci95`` (the distribution-free 95% interval of that median,
+``interleave.median_interval``) and ``<cache>_vs_rust_range`` (lowest, highest over segments); exact
+counts of the work (requests of the fill, tokens hit, tokens cached after the run; the same for
+every cache, asserted).
 
 Run: ``python -m pytest microbench/bench_cache_overhead.py --benchmark-json out.json``.
 """
