@@ -18,7 +18,7 @@ FIELD_ARGUMENTS = {"trace": "path"}
 
 def add_parser(subparsers) -> None:
     from penelope.commands.fleet_options import add_fleet_arguments
-    from penelope.commands.workload_options import add_workload_arguments
+    from penelope.commands.workload_options import add_workload_arguments, leave_scoped_unset
     from penelope.sim.timemodel import GPUS
 
     parser = subparsers.add_parser(
@@ -48,6 +48,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    leave_scoped_unset(parser)
 
 
 def run(args) -> int:
@@ -56,7 +57,7 @@ def run(args) -> int:
     from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import write_json
     from penelope.commands.spec import simulation_spec
-    from penelope.commands.workload_options import workload_inputs
+    from penelope.commands.workload_options import check_workload_options, fill_scoped_defaults, workload_inputs
     from penelope.errors import UsageError
     from penelope.memory import check_memory
     from penelope.outputs import check_outputs
@@ -69,8 +70,10 @@ def run(args) -> int:
     from penelope.sim.workloads.types import workload_stats
     from penelope.tables import percent
 
+    given = fill_scoped_defaults(args)
     if args.path is None and args.format != "synthetic":
         raise UsageError("analyze needs a trace PATH (or --format synthetic)")
+    check_workload_options(args, args.path, given)
     if args.gpu_cache and "," in args.gpu_cache:
         raise UsageError("--gpu-cache: analyze estimates the gain at one capacity")
     check_outputs({"--json": args.json}, workload_inputs(args, args.path))

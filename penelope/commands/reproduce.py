@@ -40,6 +40,7 @@ def run(args) -> int:
     from penelope.cli import build_parser, main
     from penelope.commands.fields import as_flags
     from penelope.commands.spec import simulation_spec
+    from penelope.commands.workload_options import fill_scoped_defaults
     from penelope.costmodel.shapes import get_model, model_path
     from penelope.errors import UsageError
     from penelope.outputs import check_folder, check_outputs
@@ -88,6 +89,7 @@ def run(args) -> int:
             # before the first step writes anything.
             if parsed.limit_sessions is not None and parsed.limit_sessions < 1:
                 raise UsageError(f"--limit-sessions must be at least 1, got {parsed.limit_sessions}")
+            fill_scoped_defaults(parsed)
             try:
                 prepare(simulation_spec(parsed))
             except UsageError as error:

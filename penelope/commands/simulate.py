@@ -19,7 +19,7 @@ from penelope.units import format_size
 
 def add_parser(subparsers) -> None:
     from penelope.commands.fleet_options import add_fleet_arguments
-    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments
+    from penelope.commands.workload_options import add_turn_arguments, add_workload_arguments, leave_scoped_unset
     from penelope.loadgen.prime import add_prime_argument
     from penelope.sim.timemodel import GPUS
 
@@ -84,6 +84,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the configuration and results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT and hit rate per policy")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    leave_scoped_unset(parser)
 
 
 def add_ensemble_arguments(parser) -> None:
@@ -123,13 +124,15 @@ def run(args) -> int:
     from penelope.commands.progress import progress_bar
     from penelope.commands.simulate_json import interrupted, setting_results, sweep_payload, write_json
     from penelope.commands.spec import simulation_spec
-    from penelope.commands.workload_options import workload_inputs
+    from penelope.commands.workload_options import check_workload_options, fill_scoped_defaults, workload_inputs
     from penelope.outputs import check_outputs
     from penelope.sim.api import prepare, simulate
     from penelope.sim.fleet.report import saturation_warnings
 
+    given = fill_scoped_defaults(args)
     if args.per_replica and args.replicas == 1:
         raise UsageError("--per-replica applies to --replicas N > 1 (one server has one table)")
+    check_workload_options(args, args.trace, given)
     spec = simulation_spec(args, args.trace)
     check_outputs({"--json": args.json, "--plot": args.plot}, workload_inputs(args, args.trace))
     setup = prepare(spec)

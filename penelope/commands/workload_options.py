@@ -15,10 +15,10 @@ from penelope.units import MAX_SIZE
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "add_turn_arguments", "add_workload_arguments", "load_from_args", "workload_spec"]
 
-# Options of `load` and `ab` that apply to some workloads only, with their defaults (attribute ->
-# (default, what it applies to)). Those commands leave them unset (`leave_scoped_unset`), so that one
-# given for a workload it does not apply to is refused with one line (`check_workload_options`)
-# instead of being ignored: closed-loop options with an open-loop (Mooncake) trace, WEKA options
+# Options that apply to some workloads only, with their defaults (attribute -> (default, what it
+# applies to)). `simulate`, `analyze`, `load` and `ab` leave them unset (`leave_scoped_unset`), so
+# that one given for a workload it does not apply to is refused with one line
+# (`check_workload_options`) instead of being ignored: closed-loop options with an open-loop (Mooncake) trace, WEKA options
 # with another format. `no_shared_prefix` is a flag: given when set. (`--prime` with an open-loop
 # trace is refused by `penelope.loadgen.prime.check_prime`.)
 CLOSED_LOOP, WEKA = "closed loop", "weka"
