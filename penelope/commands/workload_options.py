@@ -18,9 +18,9 @@ __all__ = ["DEFAULT_MAX_CONTEXT", "add_turn_arguments", "add_workload_arguments"
 # Options that apply to some workloads only, with their defaults (attribute -> (default, what it
 # applies to)). `simulate`, `analyze`, `load` and `ab` leave them unset (`leave_scoped_unset`), so
 # that one given for a workload it does not apply to is refused with one line
-# (`check_workload_options`) instead of being ignored: closed-loop options with an open-loop (Mooncake) trace, WEKA options
-# with another format. `no_shared_prefix` is a flag: given when set. (`--prime` with an open-loop
-# trace is refused by `penelope.loadgen.prime.check_prime`.)
+# (`check_workload_options`) instead of being ignored: closed-loop options with an open-loop
+# (Mooncake) trace, WEKA options with another format. `no_shared_prefix` is a flag: given when set.
+# (`--prime` with an open-loop trace is refused by `penelope.loadgen.prime.check_prime`.)
 CLOSED_LOOP, WEKA = "closed loop", "weka"
 SCOPED = {"sessions": (4, CLOSED_LOOP), "think_time": ("recorded", CLOSED_LOOP),
           "overflow": ("truncate", WEKA), "subagents": ("skip", WEKA), "no_shared_prefix": (False, WEKA)}
