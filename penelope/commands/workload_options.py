@@ -7,7 +7,7 @@ import dataclasses
 
 from penelope.costmodel.shapes import model_path
 from penelope.errors import UsageError
-from penelope.sim.workloads.load import DEFAULT_MAX_CONTEXT, FORMATS, WorkloadSpec, check, load
+from penelope.sim.workloads.load import DEFAULT_MAX_CONTEXT, FORMATS, WorkloadSpec, check, infer_format, load
 from penelope.sim.workloads.turns import BELOW_FROM_CONTEXT
 from penelope.sim.workloads.types import Workload
 from penelope.sim.workloads.weka import OVERFLOW_MODES, SUBAGENT_MODES
@@ -24,6 +24,8 @@ __all__ = ["DEFAULT_MAX_CONTEXT", "add_turn_arguments", "add_workload_arguments"
 CLOSED_LOOP, WEKA = "closed loop", "weka"
 SCOPED = {"sessions": (4, CLOSED_LOOP), "think_time": ("recorded", CLOSED_LOOP),
           "overflow": ("truncate", WEKA), "subagents": ("skip", WEKA), "no_shared_prefix": (False, WEKA)}
+# The attribute on a command's options that holds the scoped options the user gave.
+_GIVEN = "_scoped_options_given"
 # A context bound no trace request reaches (token counts are below 2**31): a trace read before the
 # server says its context is read whole.
 UNBOUNDED = MAX_SIZE
@@ -102,7 +104,12 @@ def leave_scoped_unset(parser) -> None:
 
 
 def fill_scoped_defaults(args) -> set[str]:
-    """Set `SCOPED`'s options that were not given to their defaults; returns the names of those given."""
+    """Set `SCOPED`'s options that were not given to their defaults; returns the names of those given.
+    The names are kept on `args`, so a second call on the same options returns them again rather
+    than taking the defaults it set for given options."""
+    given = getattr(args, _GIVEN, None)
+    if given is not None:
+        return set(given)
     given = set()
     for name, (default, _) in SCOPED.items():
         value = getattr(args, name, None)
@@ -110,6 +117,7 @@ def fill_scoped_defaults(args) -> set[str]:
             setattr(args, name, default)
         elif value is not False:
             given.add(name)
+    setattr(args, _GIVEN, frozenset(given))
     return given
 
 
@@ -117,8 +125,10 @@ def check_workload_options(args, path: str | None, given: set[str] = frozenset()
     """The workload options checked before a command starts a server or writes a model
     (`penelope.sim.workloads.load.check`), and that every option in `given` (`fill_scoped_defaults`)
     applies to the workload; returns its format."""
-    fmt = check(workload_spec(args, path))[0]
-    for name in sorted(given, key=list(SCOPED).index):
+    spec = workload_spec(args, path)
+    fmt = infer_format(spec.trace, spec.format)
+    # An option given for a workload it does not apply to is named before its value is read.
+    for name in sorted(given, key=list(SCOPED).index) if fmt in FORMATS else ():
         flag = "--" + name.replace("_", "-")
         applies = SCOPED[name][1]
         if applies == CLOSED_LOOP and fmt == "mooncake":
@@ -127,7 +137,7 @@ def check_workload_options(args, path: str | None, given: set[str] = frozenset()
         if applies == WEKA and fmt != "weka":
             raise UsageError(f"{flag} applies to WEKA traces only, not to "
                              + ("a Mooncake trace" if fmt == "mooncake" else "the synthetic workload"))
-    return fmt
+    return check(spec)[0]
 
 
 def load_from_args(args, path: str | None, max_context: int | str | None = None) -> tuple[Workload, dict]:

@@ -115,6 +115,10 @@ def test_a_config_with_36_0_layers_is_36_layers(tmp_path):
      "--sessions applies to closed-loop workloads (WEKA, synthetic) only: a Mooncake trace is replayed open loop"),
     (["simulate", "--trace", "/dev/zero", "--format", "mooncake", "--think-time", "tool"],
      "--think-time applies to closed-loop workloads"),
+    # The option is out of place: said before its value is read.
+    (["simulate", "--trace", "/dev/zero", "--format", "mooncake", "--think-time", "bogus"],
+     "--think-time applies to closed-loop workloads"),
+    (["analyze", "/dev/zero", "--format", "synthetic"], "--format synthetic takes no PATH\n"),
     (["analyze", "--format", "synthetic", "--subagents", "replay"],
      "--subagents applies to WEKA traces only, not to the synthetic workload"),
     (["analyze", "/dev/zero", "--format", "mooncake", "--sessions", "4"],

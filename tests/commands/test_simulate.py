@@ -262,3 +262,29 @@ def parse_policies_all():
     from penelope.sim.run import parse_policies
 
     return parse_policies("all")
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["simulate"], set()),
+    (["simulate", "--sessions", "2", "--no-shared-prefix"], {"sessions"}),
+    (["analyze", "--format", "synthetic", "--think-time", "tool"], {"think_time"}),
+])
+def test_options_checked_twice_give_the_same_answer(argv, given):
+    """The defaults filled on the first check are not taken for given options on a second one
+    (a caller that prepares a run from options it parsed once, as `reproduce` does)."""
+    from penelope.cli import build_parser
+    from penelope.commands.workload_options import check_workload_options, fill_scoped_defaults
+    from penelope.errors import UsageError
+
+    args = build_parser().parse_args(argv)
+    path = getattr(args, "trace", getattr(args, "path", None))
+    first = fill_scoped_defaults(args)
+    if "--no-shared-prefix" in argv:
+        given = given | {"no_shared_prefix"}
+        with pytest.raises(UsageError, match="--no-shared-prefix applies to WEKA traces only"):
+            check_workload_options(args, path, first)
+    else:
+        assert check_workload_options(args, path, first) == "synthetic"
+        assert check_workload_options(args, path, fill_scoped_defaults(args)) == "synthetic"
+    assert first == given and fill_scoped_defaults(args) == given
+    assert args.sessions == (2 if "--sessions" in argv else 4)

@@ -131,7 +131,7 @@ def test_load_workload_dispatches_by_format(tmp_path):
         load_workload("sharegpt", path)
     with pytest.raises(UsageError, match="`format` weka needs a `trace`"):
         load_workload("weka")
-    with pytest.raises(UsageError, match="`format` synthetic takes no `trace` path"):
+    with pytest.raises(UsageError, match="`format` synthetic takes no `trace`$"):
         load_workload("synthetic", path)
 
 

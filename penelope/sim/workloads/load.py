@@ -149,7 +149,7 @@ def check_trace_given(format: str, path) -> None:
     if format == "mooncake" and path is None:
         raise UsageError("`format` mooncake needs a `trace` (a JSONL file)")
     if format == "synthetic" and path is not None:
-        raise UsageError("`format` synthetic takes no `trace` path")
+        raise UsageError("`format` synthetic takes no `trace`")
 
 
 def load_workload(
