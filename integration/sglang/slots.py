@@ -38,9 +38,10 @@ class SGLangSlots:
         self._in_tree = np.zeros(self._pages_end, dtype=bool)
         self._held = 0
         self._offsets = np.arange(self.page_size, dtype=np.int64)
-        # The stock allocators free pages named by id as they are; others (page-interleaved
-        # shards) only through `free`.
-        self._by_page_id = type(allocator) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
+        # The allocator's class: the stock ones are read directly (`_free_list`) and free pages named by
+        # id as they are; others (page-interleaved shards) only through their methods.
+        self._kind = type(allocator)
+        self._by_page_id = self._kind in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
         # Scratch of the page checks: one mark per page id, all 0 between calls.
         self._scratch = np.zeros(self._pages_end, dtype=np.uint8)
         self._loops = path_loops.best()
@@ -91,8 +92,7 @@ class SGLangSlots:
         """SGLang's free page ids (int64; callers only read it), with the pages freed in an open
         free group (`free_group_begin`: free, though listed only when the group ends), read in
         place on a CPU pool; None where the allocator keeps no page free list."""
-        allocator = self.sglang
-        kind = type(allocator)
+        allocator, kind = self.sglang, self._kind
         # The stock allocators' lists, read as they are: the free pages, those freed but not yet
         # merged into them (page 1: `release_pages`; paged: the `staged_pages` tensors), and
         # those of an open free group (`get_all_free_pages` leaves these out, and builds a new
@@ -178,13 +178,13 @@ class SGLangSlots:
 
     def check(self, cached: np.ndarray) -> None:
         """Raise InvariantError unless the tags match the tree's slots (`cached`) exactly and no
-        page the tree holds is on SGLang's free list."""
+        page the tree holds is free in SGLang's allocator (`_free_list`)."""
         if len(cached) != self._held or not self._in_tree[cached // self.page_size].all():
             raise InvariantError(f"penelope: {self._held} slots tagged as the tree's, the tree holds {len(cached)}")
-        free_pages = self.sglang.get_all_free_pages()
+        free_pages = self._free_list()
         if free_pages is None or not len(cached):
             return
-        both = np.intersect1d(np.unique(cached // self.page_size), free_pages.to("cpu", torch.int64).numpy())
+        both = np.intersect1d(np.unique(cached // self.page_size), free_pages)
         if len(both):
             raise InvariantError(f"penelope: page {int(both[0])} is both in the tree and on SGLang's free list")
 

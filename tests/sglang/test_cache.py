@@ -306,6 +306,23 @@ def test_slots_freed_in_an_open_free_group_are_refused(page, by_page_id, gpu_pat
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("in_a_group", [False, True])
+@pytest.mark.parametrize("page", PAGES)
+def test_the_invariants_catch_a_tree_page_freed_behind_the_caches_back(page, in_a_group):
+    """A page the tree holds that SGLang lists as free (or frees in a group still open) is named by
+    `check_invariants`, from the same free list the inserts check."""
+    serving = Serving(size=64 * 8, page_size=page)
+    cache, allocator = serving.cache, serving.allocator
+    slots = allocator.alloc(64)
+    cache.insert(InsertParams(key=RadixKey(list(blocks(900, 1))), value=slots))
+    cache.check_invariants()
+    if in_a_group:
+        allocator.free_group_begin()
+    allocator.free(slots)
+    with pytest.raises(InvariantError, match=f"page {int(slots[0]) // page} is both in the tree and on SGLang's"):
+        cache.check_invariants()
+
+
 def test_insert_refuses_slots_in_the_wrong_state_and_changes_nothing():
     serving = Serving(size=64 * 8, page_size=1)
     cache, allocator = serving.cache, serving.allocator
